@@ -1,0 +1,1 @@
+"""ajet_hpc: a Slurm framework for reinforcement learning of LLM agents."""

@@ -1,0 +1,27 @@
+"""``python -m ajet_hpc.cancel RUN``: stop every job of a run (scancel on Slurm, SIGTERM locally)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ajet_hpc.launch.control import cancel_run
+from ajet_hpc.launch.slurmcli import SlurmError
+from ajet_hpc.storage.rundir import RunDir, RunDirError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.cancel", description=__doc__)
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    try:
+        for line in cancel_run(RunDir.at(args.run_dir)):
+            print(line)
+    except (RunDirError, SlurmError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Client array tasks: run agents against servers and report their rewards."""

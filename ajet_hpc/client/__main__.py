@@ -1,0 +1,23 @@
+"""``python -m ajet_hpc.client RUN --group GROUP [--index I]``: run one client task of a run.
+
+Without --index the task index comes from SLURM_ARRAY_TASK_ID (array jobs) or SLURM_PROCID (hetjobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ajet_hpc.client.runner import run_client
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.client", description=__doc__)
+    parser.add_argument("run_dir", help="the run directory (written by python -m ajet_hpc.launch)")
+    parser.add_argument("--group", required=True, help="client group name from the topology")
+    parser.add_argument("--index", type=int, default=None, help="task index within the group")
+    args = parser.parse_args(argv)
+    return run_client(args.run_dir, args.group, args.index)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

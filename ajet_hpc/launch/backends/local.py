@@ -1,0 +1,69 @@
+"""Local processes through submitit's LocalExecutor: the same jobs as on Slurm, on one machine.
+
+Each job (and each task of a client array) is a process started by a submitit controller that survives
+the launcher; the controller's pid is the job id. Heterogeneous jobs are a Slurm notion: the plan for this
+backend never holds one.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from ajet_hpc.config import ClusterConfig
+from ajet_hpc.launch.backends.base import BackendError
+from ajet_hpc.launch.jobs import ClientJob, ServerJob
+from ajet_hpc.launch.plan import HetJobSpec, JobSpec, Planned
+from ajet_hpc.launch.registry import SubmittedJob
+from ajet_hpc.storage.rundir import RunDir
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+        self.handles: dict[str, list[submitit.Job[Any]]] = {}  # job name -> live submitit jobs
+
+    def render(self, job: Planned, run: RunDir, cluster: ClusterConfig) -> str:
+        job = _single(job)
+        command = shlex.join(job.command(run.root, self.python))
+        if job.kind == "clients":
+            command += " --index {0..%d}" % ((job.array or 1) - 1)
+        return f"# local job {job.name}, logs in {run.job_log_dir(job.name)}\n{command}\n"
+
+    def submit(self, job: Planned, run: RunDir, cluster: ClusterConfig) -> SubmittedJob:
+        job = _single(job)
+        folder = run.job_log_dir(job.name)
+        executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(self.python), max_num_timeout=100)
+        executor.update_parameters(
+            timeout_min=job.resources.time_min,
+            signal_delay_s=cluster.signal_delay_s,
+            stderr_to_stdout=True,
+            setup=list(cluster.setup),
+        )
+        submitted: list[submitit.Job[Any]]
+        if job.kind == "server":
+            submitted = [executor.submit(ServerJob(str(run.root), job.target))]
+        else:
+            submitted = executor.map_array(ClientJob(str(run.root), job.target), range(job.array or 1))
+        self.handles[job.name] = submitted
+        tasks = [j.job_id for j in submitted]
+        return SubmittedJob(
+            name=job.name,
+            backend=self.name,
+            job_id=tasks[0],
+            tasks=tasks,
+            log_dir=str(Path(folder).relative_to(run.root)),
+            targets=[job.target],
+        )
+
+
+def _single(job: Planned) -> JobSpec:
+    if isinstance(job, HetJobSpec):
+        raise BackendError("heterogeneous jobs need Slurm; the local backend runs components as separate jobs")
+    return job

@@ -1,0 +1,135 @@
+"""``python -m ajet_hpc.launch CONFIG [key=value ...]``: validate, write the run directory, submit.
+
+CONFIG is a topology YAML file, or an existing run directory (launching again resumes that run: jobs that
+are still queued or running are left alone, the others are submitted again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ajet_hpc.config import ConfigError, Topology, check_partitions, load_topology
+from ajet_hpc.launch import registry, slurmcli
+from ajet_hpc.launch.backends import Backend, BackendError, get_backend
+from ajet_hpc.launch.control import task_states
+from ajet_hpc.launch.plan import Planned, build_plan
+from ajet_hpc.launch.supervise import supervise
+from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.storage.rundir import RunDir, RunDirError
+
+log = logging.getLogger("ajet_hpc.launch")
+EXIT_BAD_INPUT = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="topology YAML, or a run directory to resume")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted-path overrides, e.g. servers.policy.nodes=2 cluster.backend=slurm")
+    parser.add_argument("--dry-run", action="store_true", help="print every script it would submit; submit nothing")
+    parser.add_argument("--backend", choices=["auto", "slurm", "local"],
+                        help="same as the override cluster.backend=...")
+    parser.add_argument("--hetjob", action="store_true", help="same as the override cluster.hetjob=true")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the frozen topology of an existing run directory with this one")
+    parser.add_argument("--detach", action="store_true",
+                        help="local backend: return once the jobs started instead of supervising them")
+    return parser
+
+
+def read_topology(args: argparse.Namespace) -> tuple[Topology, RunDir]:
+    overrides = list(args.overrides)
+    if args.backend:
+        overrides.append(f"cluster.backend={args.backend}")
+    if args.hetjob:
+        overrides.append("cluster.hetjob=true")
+    source = Path(args.config)
+    if source.is_dir():
+        run = RunDir.at(source)
+        return load_topology(run.topology_file, overrides), run
+    if not source.exists():
+        raise ConfigError.at("(file)", f"{source} does not exist")
+    topology = load_topology(source, overrides, envs_dir=Path.cwd() / "envs")
+    return topology, RunDir.for_topology(topology)
+
+
+def resolve_backend(topology: Topology) -> str:
+    wanted = topology.cluster.backend
+    if wanted == "auto":
+        return "slurm" if slurmcli.available() else "local"
+    if wanted == "slurm" and not slurmcli.available():
+        raise BackendError("cluster.backend is slurm but no Slurm controller answers here (sbatch/sinfo)")
+    return wanted
+
+
+def still_active(run: RunDir, job: Planned) -> str | None:
+    """The job id of a live earlier submission of ``job`` (so a relaunch does not start it twice)."""
+    previous = registry.latest(run).get(job.name)
+    if previous is None:
+        return None
+    if any(state.active for state in task_states(previous)):
+        return previous.job_id
+    return None
+
+
+def launch(args: argparse.Namespace) -> int:
+    topology, run = read_topology(args)
+    backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)
+    if backend_name == "slurm" and slurmcli.available():
+        check_partitions(topology, slurmcli.partitions())
+    backend: Backend = get_backend(backend_name)
+    plan = build_plan(topology, hetjob=topology.cluster.hetjob and backend_name == "slurm")
+    scripts = [(job, backend.render(job, run, topology.cluster)) for job in plan]  # fails before writing
+
+    if args.dry_run:
+        for job, text in scripts:
+            print(f"### {job.name} ({backend_name}) ###")
+            print(text)
+        print(f"dry run: {len(plan)} job(s) for run directory {run.root}; nothing submitted or written")
+        return 0
+
+    state = run.prepare(topology, force=args.force)
+    print(f"run directory: {run.root} ({state})")
+    submitted = []
+    for job in plan:
+        live = still_active(run, job) if state == "resumed" else None
+        if live:
+            print(f"  {job.name:<24} still active as job {live}: left alone")
+            continue
+        entry = backend.submit(job, run, topology.cluster)
+        submitted.append(entry)
+        tasks = f" tasks {entry.tasks[0]}..{entry.tasks[-1]}" if len(entry.tasks) > 1 else ""
+        print(f"  {job.name:<24} {entry.backend} job {entry.job_id}{tasks} -> {run.root / entry.log_dir}")
+    registry.record(run, submitted)
+    print("watch it with:")
+    print(f"  python -m ajet_hpc.status {run.root}")
+    print(f"  python -m ajet_hpc.logs {run.root} [JOB] -f")
+    print(f"  python -m ajet_hpc.cancel {run.root}")
+    if backend_name == "local" and not args.detach:
+        return supervise(run, backend, submitted)
+    return 0
+
+
+def _dry_run_backend(topology: Topology) -> str:
+    """A dry run renders for the asked backend without needing it; auto means slurm when present."""
+    if topology.cluster.backend == "auto":
+        return "slurm" if slurmcli.available() else "local"
+    return topology.cluster.backend
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return launch(args)
+    except ConfigError as exc:
+        print(f"error: invalid topology ({args.config}):\n{exc}", file=sys.stderr)
+    except (RunDirError, BackendError, slurmcli.SlurmError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+

@@ -1,0 +1,30 @@
+"""The callables that submitit pickles and runs in each job.
+
+They are checkpointable: on Slurm's pre-timeout or preemption signal (USR2), submitit calls
+``checkpoint`` and requeues the job, which then calls the same callable again; the server and client
+resume from the run directory.
+"""
+
+from __future__ import annotations
+
+import submitit
+
+
+class ServerJob(submitit.helpers.Checkpointable):
+    def __init__(self, run_dir: str, name: str) -> None:
+        self.run_dir, self.name = run_dir, name
+
+    def __call__(self) -> int:
+        from ajet_hpc.server.process import serve
+
+        return serve(self.run_dir, self.name)
+
+
+class ClientJob(submitit.helpers.Checkpointable):
+    def __init__(self, run_dir: str, group: str) -> None:
+        self.run_dir, self.group = run_dir, group
+
+    def __call__(self, index: int) -> int:
+        from ajet_hpc.client.runner import run_client
+
+        return run_client(self.run_dir, self.group, index)

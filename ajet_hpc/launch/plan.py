@@ -1,0 +1,133 @@
+"""What to submit for a topology, as plain data (no Slurm, no submitit): the launcher's plan.
+
+A server becomes one job; a client group becomes one job array. With ``cluster.hetjob`` a server and the
+client groups that use only that server become one heterogeneous job, one component each, the client
+tasks as the ``ntasks`` of their component.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ajet_hpc.config import ClientGroupConfig, ServerConfig, Topology
+
+
+@dataclass(frozen=True)
+class Resources:
+    partition: str
+    nodes: int
+    ntasks: int  # tasks in total (hetjob client components: the array size)
+    cpus_per_task: int
+    gpus_per_node: int
+    mem: str  # per node, Slurm syntax (4G)
+    time_min: int
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job of the plan: a server, or a client group (an array of ``array`` tasks)."""
+
+    kind: str  # "server" | "clients"
+    target: str  # server name or client group name
+    resources: Resources
+    array: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.target}"
+
+    def command(self, run_dir: Path, python: str = sys.executable) -> list[str]:
+        """The entrypoint that runs this job (the sbatch/ scripts and hetjobs call it directly)."""
+        if self.kind == "server":
+            return [python, "-u", "-m", "ajet_hpc.server", str(run_dir), "--name", self.target]
+        return [python, "-u", "-m", "ajet_hpc.client", str(run_dir), "--group", self.target]
+
+
+@dataclass(frozen=True)
+class HetJobSpec:
+    """Several components started as one Slurm heterogeneous job (``#SBATCH hetjob``)."""
+
+    components: tuple[JobSpec, ...]
+
+    @property
+    def name(self) -> str:
+        return "het-" + "-".join(component.target for component in self.components)
+
+
+Planned = JobSpec | HetJobSpec
+
+
+def server_job(server: ServerConfig) -> JobSpec:
+    return JobSpec(
+        kind="server",
+        target=server.name,
+        resources=Resources(
+            partition=server.partition,
+            nodes=server.nodes,
+            ntasks=server.nodes,
+            cpus_per_task=server.cpus,
+            gpus_per_node=server.gpus_per_node,
+            mem=server.mem,
+            time_min=server.time_min,
+        ),
+    )
+
+
+def client_job(group: ClientGroupConfig) -> JobSpec:
+    return JobSpec(
+        kind="clients",
+        target=group.name,
+        array=group.array,
+        resources=Resources(
+            partition=group.partition,
+            nodes=1,
+            ntasks=1,
+            cpus_per_task=group.cpus,
+            gpus_per_node=0,
+            mem=group.mem,
+            time_min=group.time_min,
+        ),
+    )
+
+
+def build_plan(topology: Topology, hetjob: bool | None = None, only: set[str] | None = None) -> list[Planned]:
+    """Every job of a topology, servers first.
+
+    ``hetjob`` overrides ``cluster.hetjob`` (the local backend has no heterogeneous jobs); ``only`` keeps
+    the jobs whose names it holds (``server-x``, ``clients-y``).
+    """
+    servers = [server_job(server) for server in topology.servers]
+    clients = {group.name: client_job(group) for group in topology.clients}
+    plan: list[Planned] = []
+    if topology.cluster.hetjob if hetjob is None else hetjob:
+        for server in servers:
+            riders = [clients.pop(g.name) for g in topology.clients if g.servers == [server.target]]
+            if riders:
+                components = (server, *(_as_component(rider) for rider in riders))
+                plan.append(HetJobSpec(components))
+            else:
+                plan.append(server)
+    else:
+        plan.extend(servers)
+    plan.extend(clients.values())
+    if only is not None:
+        plan = [job for job in plan if job.name in only]
+    return plan
+
+
+def _as_component(job: JobSpec) -> JobSpec:
+    """A client array as a hetjob component: its tasks become the component's ntasks."""
+    res = job.resources
+    tasks = job.array or 1
+    as_tasks = Resources(
+        partition=res.partition,
+        nodes=1,
+        ntasks=tasks,
+        cpus_per_task=res.cpus_per_task,
+        gpus_per_node=0,
+        mem=res.mem,
+        time_min=res.time_min,
+    )
+    return JobSpec(kind=job.kind, target=job.target, resources=as_tasks, array=None)

@@ -1,0 +1,107 @@
+"""Small wrappers over Slurm's command-line tools (sinfo, squeue, scontrol, scancel).
+
+Job states come from ``squeue`` and, for jobs that left the queue, from ``scontrol show job``: many
+clusters (and the dev cluster) run without accounting, where ``sacct`` does not answer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+TIMEOUT_S = 30
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message holds the command and what it printed."""
+
+
+def available() -> bool:
+    """True when ``sbatch`` is on PATH and the controller answers."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        _run(["sinfo", "-h", "-o", "%P"])
+    except SlurmError:
+        return False
+    return True
+
+
+def _run(cmd: list[str], check: bool = True) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+    if check and done.returncode != 0:
+        raise SlurmError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def partitions() -> set[str]:
+    """Partition names of the live cluster (the default one is printed with a '*', removed here)."""
+    return {line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines() if line.strip()}
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str  # as Slurm prints it: 123, 123_4 (array task) or 123+0 (hetjob component)
+    state: str  # PENDING, RUNNING, COMPLETED, CANCELLED, ...
+    partition: str
+    nodes: str  # node list, '' while pending
+    reason: str
+
+
+def _parse_scontrol_record(text: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def job_states(job_ids: Iterable[str]) -> list[JobState]:
+    """States of every task of the given jobs (array tasks and hetjob components expanded)."""
+    states: list[JobState] = []
+    for job_id in job_ids:
+        out = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+        for line in out.splitlines():
+            rec = _parse_scontrol_record(line)
+            if "JobId" not in rec:
+                continue
+            shown = rec["JobId"]
+            if rec.get("ArrayTaskId") not in (None, "", "(null)"):
+                shown = f"{rec.get('ArrayJobId', rec['JobId'])}_{rec['ArrayTaskId']}"
+            elif rec.get("HetJobOffset") not in (None, ""):
+                shown = f"{rec.get('HetJobId', rec['JobId'])}+{rec['HetJobOffset']}"
+            nodes = rec.get("NodeList", "")
+            states.append(
+                JobState(
+                    job_id=shown,
+                    state=rec.get("JobState", "UNKNOWN"),
+                    partition=rec.get("Partition", ""),
+                    nodes="" if nodes == "(null)" else nodes,
+                    reason=rec.get("Reason", ""),
+                )
+            )
+    return states
+
+
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+def cancel(job_ids: Iterable[str]) -> None:
+    ids = [str(job_id) for job_id in job_ids]
+    if ids:
+        _run(["scancel", *ids])
+
+
+def node_address(node: str) -> str | None:
+    """The address Slurm reaches ``node`` at (its NodeAddr); None when unknown."""
+    try:
+        rec = _parse_scontrol_record(_run(["scontrol", "show", "node", "-o", node]))
+    except SlurmError:
+        return None
+    return rec.get("NodeAddr") or None

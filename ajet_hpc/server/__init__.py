@@ -1,0 +1,1 @@
+"""The server job: HTTP front, inference engine, trainer of one trainable model."""

@@ -1,0 +1,99 @@
+"""The server process: bind a port, serve HTTP, publish the rendezvous file, withdraw it on exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import uvicorn
+
+from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.launch import environment
+from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.server.app import ServerState, create_app
+from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def pick_server(topology: Topology, name: str | None) -> ServerConfig:
+    if name is None:
+        if len(topology.servers) != 1:
+            names = ", ".join(s.name for s in topology.servers)
+            raise SystemExit(f"this run has several servers ({names}): pass --name")
+        return topology.servers[0]
+    for server in topology.servers:
+        if server.name == name:
+            return server
+    names = ", ".join(s.name for s in topology.servers)
+    raise SystemExit(f"no server named {name!r} in this run; servers are: {names}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Heartbeat(threading.Thread):
+    """Publishes the rendezvous once uvicorn accepts connections, then refreshes it."""
+
+    def __init__(self, path, record: rendezvous.Rendezvous, server: uvicorn.Server) -> None:
+        super().__init__(name="rendezvous-heartbeat", daemon=True)
+        self.path, self.record, self.server = path, record, server
+        self.stopped = threading.Event()
+        self.published = False
+
+    def run(self) -> None:
+        while not self.server.started and not self.stopped.is_set():
+            time.sleep(0.05)
+        while not self.stopped.is_set():
+            self.record = rendezvous.publish(self.path, self.record)
+            if not self.published:
+                self.published = True
+                log.info("ready at %s (rendezvous %s)", self.record.url, self.path)
+            self.stopped.wait(rendezvous.HEARTBEAT_S)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
+
+
+def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
+    setup_logging()
+    run = RunDir.at(run_dir)
+    config = pick_server(run.load_topology(), name)
+    job = environment.current()
+    sock = _bind(job.bind_host(), config.port)
+    host, port = job.advertise_host(), sock.getsockname()[1]
+    log.info("server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port)
+
+    state = ServerState(name=config.name, model=config.model, job_id=job.job_id)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
+    record = rendezvous.Rendezvous(
+        name=config.name,
+        url=f"http://{host}:{port}",
+        host=host,
+        port=port,
+        pid=os.getpid(),
+        job_id=job.job_id,
+        node=job.node,
+        started_at=state.started_at,
+    )
+    heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server)
+    heartbeat.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        heartbeat.stop()
+        if rendezvous.withdraw(run.rendezvous_file(config.name), heartbeat.record):
+            log.info("rendezvous withdrawn; server %s stopped", config.name)
+        sock.close()
+    return 0

@@ -1,0 +1,149 @@
+"""The run directory: the single source of truth of a run, on storage shared by every node.
+
+Layout (see docs/architecture.md)::
+
+    RUN/topology.yaml        resolved topology, frozen at first launch
+    RUN/secret               mode 0600, the key of every token of this run
+    RUN/jobs.json            jobs submitted for this run (backend, ids, log folders)
+    RUN/servers/<name>.json  rendezvous of each server (written by rename)
+    RUN/ckpt/<model>/        checkpoints
+    RUN/data/                HDF5 stores
+    RUN/logs/                one folder per job
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ajet_hpc.config import Topology, dump_topology, load_topology
+from ajet_hpc.storage.atomic import write_bytes_atomic
+
+TOPOLOGY_FILE = "topology.yaml"
+
+
+class RunDirError(Exception):
+    """The run directory cannot be used as asked (a changed topology, a missing file...)."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def for_topology(cls, topology: Topology, base: Path | None = None) -> RunDir:
+        """Where a topology's run lives: ``run.dir``, else ``runs/<name>``, relative to ``base`` (cwd)."""
+        raw = Path(topology.run.dir) if topology.run.dir else Path("runs") / topology.run.name
+        return cls((base or Path.cwd()) / raw if not raw.is_absolute() else raw)
+
+    @classmethod
+    def at(cls, path: str | os.PathLike[str]) -> RunDir:
+        """An existing run directory, with a clear error when ``path`` is not one."""
+        root = Path(path).resolve()
+        if not (root / TOPOLOGY_FILE).is_file():
+            raise RunDirError(f"{root} is not a run directory (no {TOPOLOGY_FILE} in it)")
+        return cls(root)
+
+    # --- paths -------------------------------------------------------------------------------------
+    @property
+    def topology_file(self) -> Path:
+        return self.root / TOPOLOGY_FILE
+
+    @property
+    def secret_file(self) -> Path:
+        return self.root / "secret"
+
+    @property
+    def jobs_file(self) -> Path:
+        return self.root / "jobs.json"
+
+    @property
+    def servers_dir(self) -> Path:
+        return self.root / "servers"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.root / "ckpt"
+
+    def rendezvous_file(self, server: str) -> Path:
+        return self.servers_dir / f"{server}.json"
+
+    def job_log_dir(self, job_name: str) -> Path:
+        return self.logs_dir / job_name
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.topology_file.is_file()
+
+    def load_topology(self) -> Topology:
+        return load_topology(self.topology_file)
+
+    def prepare(self, topology: Topology, force: bool = False) -> str:
+        """Create the run directory, or check that ``topology`` matches the frozen one.
+
+        Returns ``"created"``, ``"resumed"`` or ``"replaced"`` (changed topology with ``force``).
+        """
+        frozen_text = dump_topology(topology)
+        state = "created"
+        if self.exists():
+            old_text = self.topology_file.read_text()
+            if old_text == frozen_text:
+                state = "resumed"
+            elif not force:
+                diff = "".join(
+                    difflib.unified_diff(
+                        old_text.splitlines(keepends=True),
+                        frozen_text.splitlines(keepends=True),
+                        fromfile="frozen topology",
+                        tofile="this launch",
+                    )
+                )
+                raise RunDirError(
+                    f"{self.root} already holds a run with a different topology:\n{diff}"
+                    "Launch with --force to replace it (the old one is kept as topology.<time>.yaml), "
+                    "or choose another run.dir."
+                )
+            else:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                self.topology_file.rename(self.root / f"topology.{stamp}.yaml")
+                state = "replaced"
+        for folder in (self.root, self.servers_dir, self.logs_dir, self.data_dir, self.ckpt_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self._ensure_secret()
+        if state != "resumed":
+            write_bytes_atomic(self.topology_file, frozen_text.encode())
+        return state
+
+    def _ensure_secret(self) -> None:
+        path = self.secret_file
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o077:
+                os.chmod(path, 0o600)
+            return
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32) + "\n")
+
+    def read_secret(self) -> str:
+        try:
+            value = self.secret_file.read_text().strip()
+        except FileNotFoundError as exc:
+            raise RunDirError(f"{self.secret_file} is missing: relaunch to create it") from exc
+        if not value:
+            raise RunDirError(f"{self.secret_file} is empty")
+        return value
