@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=["auto", "slurm", "local"],
                         help="same as the override cluster.backend=...")
     parser.add_argument("--hetjob", action="store_true", help="same as the override cluster.hetjob=true")
+    parser.add_argument("--no-submit", action="store_true",
+                        help="write the run directory and print the sbatch commands for sbatch/; submit nothing")
     parser.add_argument("--force", action="store_true",
                         help="replace the frozen topology of an existing run directory with this one")
     parser.add_argument("--detach", action="store_true",
@@ -94,6 +96,11 @@ def launch(args: argparse.Namespace) -> int:
 
     state = run.prepare(topology, force=args.force)
     print(f"run directory: {run.root} ({state})")
+    if args.no_submit:
+        print("submit by hand with the scripts in sbatch/:")
+        for line in hand_commands(topology, run):
+            print(f"  {line}")
+        return 0
     submitted = []
     for job in plan:
         live = still_active(run, job) if state == "resumed" else None
@@ -112,6 +119,26 @@ def launch(args: argparse.Namespace) -> int:
     if backend_name == "local" and not args.detach:
         return supervise(run, backend, submitted)
     return 0
+
+
+def hand_commands(topology: Topology, run: RunDir) -> list[str]:
+    """The sbatch command lines that start this run's jobs with the hand-written sbatch/ scripts."""
+    logs = run.logs_dir
+    lines = []
+    for server in topology.servers:
+        gpus = f" --gpus-per-node={server.gpus_per_node}" if server.gpus_per_node else ""
+        lines.append(
+            f"sbatch -p {server.partition} --nodes={server.nodes}{gpus} --cpus-per-task={server.cpus} "
+            f"--mem={server.mem} --time={server.time} --output={logs}/%x-%j.out "
+            f"sbatch/server.sbatch {run.root} {server.name}"
+        )
+    for group in topology.clients:
+        lines.append(
+            f"sbatch -p {group.partition} --array=0-{group.array - 1} --cpus-per-task={group.cpus} "
+            f"--mem={group.mem} --time={group.time} --output={logs}/%x-%A_%a.out "
+            f"sbatch/clients.sbatch {run.root} {group.name}"
+        )
+    return lines
 
 
 def _dry_run_backend(topology: Topology) -> str:

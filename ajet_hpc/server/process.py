@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -42,6 +44,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising SIGTERM/SIGINT after shutdown: the server then withdraws its rendezvous
+    and exits 0, where plain uvicorn would die of the re-raised signal before any cleanup."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self._captured_signals:
+            names = ", ".join(signal.Signals(sig).name for sig in self._captured_signals)
+            log.info("stopped by %s", names)
+
+
 class _Heartbeat(threading.Thread):
     """Publishes the rendezvous once uvicorn accepts connections, then refreshes it."""
 
@@ -76,7 +99,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     log.info("server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port)
 
     state = ServerState(name=config.name, model=config.model, job_id=job.job_id)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
+    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,
         url=f"http://{host}:{port}",

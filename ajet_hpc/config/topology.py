@@ -1,0 +1,279 @@
+"""The topology: one typed description of a run's servers (trainable models) and clients (agent job arrays).
+
+Every model is frozen, rejects unknown keys, and validates strictly (an int is not ``"3"`` nor ``true``).
+Each component later receives only its own block: the launcher ``cluster``, a server job its ``ServerConfig``,
+the trainer ``server.trainer``, a client array its ``ClientGroupConfig``.
+
+Constructing a :class:`Topology` raises ``pydantic.ValidationError`` for malformed fields and ``ConfigError``
+for inconsistent ones (duplicate names, unknown server references, see :func:`consistency_issues`); the
+validation context ``{"envs_dir": path}`` also checks that client ``env`` files exist.
+:func:`ajet_hpc.config.load.load_topology` reports both kinds as ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from ajet_hpc.config.errors import ConfigError, ConfigIssue
+from ajet_hpc.config.fields import (
+    EntryPoint,
+    EnvFile,
+    ModelSource,
+    Name,
+    NotBool,
+    Partition,
+    SbatchOptions,
+    SlurmMemory,
+    SlurmTime,
+    TaskSource,
+    slurm_time_minutes,
+)
+
+_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class RunConfig(BaseModel):
+    """Identity of the run and where its run directory lives."""
+
+    model_config = _MODEL_CONFIG
+
+    name: Name = Field(description="Run name; used in job names and as the default run directory name.")
+    dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Run directory on shared storage; default runs/<name> relative to the working directory.",
+    )
+
+    def resolve_dir(self, cwd: Path | None = None) -> Path:
+        """The absolute run directory; a relative one is taken from ``cwd`` (default: working directory)."""
+        base = Path.cwd() if cwd is None else cwd
+        path = Path(self.dir).expanduser() if self.dir is not None else Path("runs") / self.name
+        return (base / path).absolute()
+
+
+class ClusterConfig(BaseModel):
+    """How jobs are submitted: backend, accounting, and options shared by every job."""
+
+    model_config = _MODEL_CONFIG
+
+    backend: Literal["auto", "slurm", "local"] = Field(
+        default="auto",
+        description="Where jobs run: 'slurm', 'local' processes, or 'auto' (Slurm when sbatch is available).",
+    )
+    account: str | None = Field(
+        default=None, min_length=1, description="Slurm account (--account) for every job."
+    )
+    qos: str | None = Field(
+        default=None, min_length=1, description="Slurm quality of service (--qos) for every job."
+    )
+    setup: list[str] = Field(
+        default_factory=list, description="Shell lines run before each job starts, e.g. 'module load cuda'."
+    )
+    sbatch: SbatchOptions = Field(
+        default_factory=dict,
+        description="Extra sbatch options for every job, keys without dashes, e.g. {constraint: a100}.",
+    )
+    hetjob: bool = Field(
+        default=False,
+        description=(
+            "Submit each server together with the client groups that use only that server "
+            "as one heterogeneous Slurm job."
+        ),
+    )
+    signal_delay_s: int = Field(
+        default=120,
+        ge=10,
+        description="Seconds before the time limit at which Slurm sends the checkpoint signal.",
+    )
+
+
+class TrainerConfig(BaseModel):
+    """The trainer that runs next to a server's engine (GRPO on DeepSpeed ZeRO)."""
+
+    model_config = _MODEL_CONFIG
+
+    algorithm: Literal["grpo"] = Field(default="grpo", description="Policy-optimisation algorithm.")
+    zero_stage: Annotated[Literal[1, 2, 3], NotBool] = Field(default=2, description="DeepSpeed ZeRO stage.")
+    ranks: int = Field(default=1, ge=1, description="Trainer processes (ranks) per node.")
+    lr: float = Field(default=1e-5, gt=0, allow_inf_nan=False, description="Learning rate.")
+    tasks_per_batch: int = Field(default=8, ge=1, description="Distinct tasks in one training batch.")
+    repeats: int = Field(default=4, ge=1, description="Episodes per task in a batch (the GRPO group size).")
+    max_staleness: int = Field(
+        default=1, ge=0, description="Most policy versions a sample may lag behind the trained policy."
+    )
+    total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
+    save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")
+    seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")
+
+
+class ServerConfig(BaseModel):
+    """One trainable model: an inference engine and its trainer in one GPU allocation."""
+
+    model_config = _MODEL_CONFIG
+
+    name: Name = Field(
+        description="Server name; clients refer to it, and it names the model's files in the run."
+    )
+    model: ModelSource = Field(description="Model weights: 'builtin:tiny' or a local path.")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto", description="Inference engine; 'auto' picks vLLM when it is installed."
+    )
+    partition: Partition = Field(default="gpu", description="Slurm partition of the server job.")
+    nodes: int = Field(default=1, ge=1, description="Nodes of the server job.")
+    gpus_per_node: int = Field(default=1, ge=0, description="GPUs per node; 0 runs on CPUs (laptops, CI).")
+    cpus: int = Field(default=4, ge=1, description="CPUs per task (--cpus-per-task).")
+    mem: SlurmMemory = Field(
+        default="16G",
+        description="Memory per node: an integer with optional K/M/G/T suffix (MB without one).",
+    )
+    time: SlurmTime = Field(
+        default="4:00:00", description="Time limit per job: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."
+    )
+    port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
+    trainer: TrainerConfig = Field(default=TrainerConfig(), description="Trainer settings of this model.")
+
+    @property
+    def time_min(self) -> int:
+        """The time limit in whole minutes (seconds round up)."""
+        return slurm_time_minutes(self.time)
+
+
+class ClientGroupConfig(BaseModel):
+    """One group of agents: a Slurm job array whose tasks run episodes against the named servers."""
+
+    model_config = _MODEL_CONFIG
+
+    name: Name = Field(description="Client group name; names the group's files in the run.")
+    agent: EntryPoint = Field(description="The agent to run, as 'module.path:function'.")
+    tasks: TaskSource = Field(
+        description="Task source: 'builtin:<name>', a path ending in '.jsonl', or 'module.path:callable'."
+    )
+    servers: list[Name] = Field(min_length=1, description="Names of the servers this group's agents use.")
+    partition: Partition = Field(default="cpu", description="Slurm partition of the client array.")
+    array: int = Field(default=1, ge=1, description="Number of array tasks.")
+    in_flight: int = Field(default=1, ge=1, description="Episodes in flight per array task.")
+    env: EnvFile | None = Field(
+        default=None, description="Environment spec file under envs/ the agent runs in, e.g. agent-basic.txt."
+    )
+    time: SlurmTime = Field(
+        default="4:00:00",
+        description="Time limit per array task: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.",
+    )
+    cpus: int = Field(default=1, ge=1, description="CPUs per array task (--cpus-per-task).")
+    mem: SlurmMemory = Field(
+        default="2G",
+        description="Memory per array task: an integer with optional K/M/G/T suffix (MB without one).",
+    )
+
+    @property
+    def time_min(self) -> int:
+        """The time limit in whole minutes (seconds round up)."""
+        return slurm_time_minutes(self.time)
+
+
+class Topology(BaseModel):
+    """A whole run: its identity, the cluster settings, the servers and the client groups."""
+
+    model_config = _MODEL_CONFIG
+
+    run: RunConfig = Field(description="Run name and directory.")
+    cluster: ClusterConfig = Field(
+        default=ClusterConfig(), description="Submission settings shared by all jobs."
+    )
+    servers: list[ServerConfig] = Field(min_length=1, description="Trainable models, one server job each.")
+    clients: list[ClientGroupConfig] = Field(
+        default_factory=list, description="Agent groups, one job array each."
+    )
+
+    @model_validator(mode="after")
+    def _check_consistency(self, info: ValidationInfo) -> Topology:
+        envs_dir = (info.context or {}).get("envs_dir")
+        issues = consistency_issues(self, None if envs_dir is None else Path(envs_dir))
+        if issues:
+            raise ConfigError(issues)
+        return self
+
+    def server(self, name: str) -> ServerConfig:
+        """The server called ``name``; ``KeyError`` naming the known servers otherwise."""
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise KeyError(f"no server named {name!r}; servers are: {', '.join(s.name for s in self.servers)}")
+
+    def client(self, name: str) -> ClientGroupConfig:
+        """The client group called ``name``; ``KeyError`` naming the known groups otherwise."""
+        for client in self.clients:
+            if client.name == name:
+                return client
+        known = ", ".join(c.name for c in self.clients) or "(none)"
+        raise KeyError(f"no client group named {name!r}; client groups are: {known}")
+
+
+def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list[ConfigIssue]:
+    """Problems that span fields, all of them, each with its path.
+
+    Duplicate names, unknown or repeated server references, time limits not longer than the signal delay, and
+    (when ``envs_dir`` is given) client ``env`` files missing from it.
+    """
+    issues = _duplicates("servers", [s.name for s in topology.servers])
+    issues += _duplicates("clients", [c.name for c in topology.clients])
+    server_names = list(dict.fromkeys(s.name for s in topology.servers))
+    for i, client in enumerate(topology.clients):
+        seen: set[str] = set()
+        for j, ref in enumerate(client.servers):
+            path = f"clients[{i}].servers[{j}]"
+            if ref not in server_names:
+                issues.append(
+                    ConfigIssue(path, f"unknown server {ref!r}; servers are: {', '.join(server_names)}")
+                )
+            elif ref in seen:
+                issues.append(ConfigIssue(path, f"server {ref!r} is listed twice"))
+            seen.add(ref)
+    delay = topology.cluster.signal_delay_s
+    jobs = [("servers", topology.servers), ("clients", topology.clients)]
+    for section, members in jobs:
+        for i, member in enumerate(members):
+            if member.time_min * 60 <= delay:
+                issues.append(
+                    ConfigIssue(
+                        f"{section}[{i}].time",
+                        f"time limit {member.time!r} is not longer than cluster.signal_delay_s={delay}; "
+                        "raise the time limit or lower the delay",
+                    )
+                )
+    if envs_dir is not None:
+        issues += _missing_envs(topology, envs_dir)
+    return issues
+
+
+def _missing_envs(topology: Topology, envs_dir: Path) -> list[ConfigIssue]:
+    issues = []
+    for i, client in enumerate(topology.clients):
+        if client.env is not None and not (envs_dir / client.env).is_file():
+            present = sorted(p.name for p in envs_dir.iterdir() if p.is_file()) if envs_dir.is_dir() else []
+            issues.append(
+                ConfigIssue(
+                    f"clients[{i}].env",
+                    f"no environment file {client.env!r} in {envs_dir}; "
+                    f"files there: {', '.join(present) or '(none)'}",
+                )
+            )
+    return issues
+
+
+def _duplicates(section: str, names: list[str]) -> list[ConfigIssue]:
+    first: dict[str, int] = {}
+    issues = []
+    for i, name in enumerate(names):
+        if name in first:
+            issues.append(
+                ConfigIssue(
+                    f"{section}[{i}].name", f"duplicate name {name!r} (also {section}[{first[name]}])"
+                )
+            )
+        else:
+            first[name] = i
+    return issues
