@@ -25,21 +25,40 @@ EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ajet_hpc.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("config", help="topology YAML, or a run directory to resume")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted-path overrides, e.g. servers.policy.nodes=2 cluster.backend=slurm")
-    parser.add_argument("--dry-run", action="store_true", help="print every script it would submit; submit nothing")
-    parser.add_argument("--backend", choices=["auto", "slurm", "local"],
-                        help="same as the override cluster.backend=...")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted-path overrides, e.g. servers.policy.nodes=2 cluster.backend=slurm",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print every script it would submit; submit nothing"
+    )
+    parser.add_argument(
+        "--backend", choices=["auto", "slurm", "local"], help="same as the override cluster.backend=..."
+    )
     parser.add_argument("--hetjob", action="store_true", help="same as the override cluster.hetjob=true")
-    parser.add_argument("--no-submit", action="store_true",
-                        help="write the run directory and print the sbatch commands for sbatch/; submit nothing")
-    parser.add_argument("--force", action="store_true",
-                        help="replace the frozen topology of an existing run directory with this one")
-    parser.add_argument("--detach", action="store_true",
-                        help="local backend: return once the jobs started instead of supervising them")
+    parser.add_argument(
+        "--no-submit",
+        action="store_true",
+        help="write the run directory and print the sbatch commands for sbatch/; submit nothing",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the frozen topology of an existing run directory with this one",
+    )
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="local backend: return once the jobs started instead of supervising them",
+    )
     return parser
 
 
@@ -158,5 +177,3 @@ def main(argv: list[str] | None = None) -> int:
     except (RunDirError, BackendError, slurmcli.SlurmError) as exc:
         print(f"error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-

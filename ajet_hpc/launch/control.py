@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -48,7 +49,9 @@ def task_states(job: SubmittedJob) -> list[TaskState]:
         if s is None:  # left scontrol's memory (MinJobAge): finished long ago
             states.append(TaskState(job.name, task, "GONE", "", "no longer known to slurmctld"))
         else:
-            states.append(TaskState(job.name, task, s.state, s.nodes, s.reason if s.state == "PENDING" else ""))
+            states.append(
+                TaskState(job.name, task, s.state, s.nodes, s.reason if s.state == "PENDING" else "")
+            )
     return states
 
 
@@ -151,11 +154,11 @@ def cancel_run(run: RunDir) -> list[str]:
             continue
         if job.backend == "local":
             for state in active:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(state.task_id), signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            report.append(f"{job.name}: sent SIGTERM to local process(es) {', '.join(s.task_id for s in active)}")
+            report.append(
+                f"{job.name}: sent SIGTERM to local process(es) {', '.join(s.task_id for s in active)}"
+            )
         else:
             slurmcli.cancel([job.job_id])
             report.append(f"{job.name}: scancel {job.job_id}")

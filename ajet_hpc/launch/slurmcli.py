@@ -35,13 +35,17 @@ def _run(cmd: list[str], check: bool = True) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
     if check and done.returncode != 0:
-        raise SlurmError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+        raise SlurmError(
+            f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}"
+        )
     return done.stdout
 
 
 def partitions() -> set[str]:
     """Partition names of the live cluster (the default one is printed with a '*', removed here)."""
-    return {line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines() if line.strip()}
+    return {
+        line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines() if line.strip()
+    }
 
 
 @dataclass(frozen=True)

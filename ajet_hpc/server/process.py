@@ -96,7 +96,9 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     job = environment.current()
     sock = _bind(job.bind_host(), config.port)
     host, port = job.advertise_host(), sock.getsockname()[1]
-    log.info("server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port)
+    log.info(
+        "server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port
+    )
 
     state = ServerState(name=config.name, model=config.model, job_id=job.job_id)
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))

@@ -38,8 +38,7 @@ class RunDir:
     @classmethod
     def for_topology(cls, topology: Topology, base: Path | None = None) -> RunDir:
         """Where a topology's run lives: ``run.dir``, else ``runs/<name>``, relative to ``base`` (cwd)."""
-        raw = Path(topology.run.dir) if topology.run.dir else Path("runs") / topology.run.name
-        return cls((base or Path.cwd()) / raw if not raw.is_absolute() else raw)
+        return cls(topology.run.resolve_dir(base))
 
     @classmethod
     def at(cls, path: str | os.PathLike[str]) -> RunDir:

@@ -81,7 +81,13 @@ def hetjob_script(
         srun = f"srun --het-group={index} --unbuffered --output={out} "
         lines.append(f"# component {index}: {component.name}")
         lines.append(srun + shlex.join(command) + " &")
-    lines += ["", "# wait returns early when the trap fires; the second wait keeps the steps", "wait", "wait", ""]
+    lines += [
+        "",
+        "# wait returns early when the trap fires; the second wait keeps the steps",
+        "wait",
+        "wait",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -95,14 +101,18 @@ class HetJobExecutor:
 
     def render(self, job: HetJobSpec, run: RunDir, cluster: ClusterConfig) -> str:
         components = [(c, c.command(run.root, self.python)) for c in job.components]
-        return hetjob_script(f"ajet-{run.root.name}-{job.name}", run.job_log_dir(job.name), components, cluster)
+        return hetjob_script(
+            f"ajet-{run.root.name}-{job.name}", run.job_log_dir(job.name), components, cluster
+        )
 
     def submit(self, job: HetJobSpec, run: RunDir, cluster: ClusterConfig) -> SubmittedJob:
         log_dir = run.job_log_dir(job.name)
         log_dir.mkdir(parents=True, exist_ok=True)
         script = log_dir / "hetjob.sbatch"
         script.write_text(self.render(job, run, cluster))
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
+        )
         if done.returncode != 0:
             raise BackendError(f"{job.name}: sbatch refused the heterogeneous job: {done.stderr.strip()}")
         job_id = done.stdout.strip().split(";")[0]

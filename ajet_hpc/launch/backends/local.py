@@ -33,7 +33,7 @@ class LocalBackend:
         job = _single(job)
         command = shlex.join(job.command(run.root, self.python))
         if job.kind == "clients":
-            command += " --index {0..%d}" % ((job.array or 1) - 1)
+            command += f" --index {{0..{(job.array or 1) - 1}}}"
         return f"# local job {job.name}, logs in {run.job_log_dir(job.name)}\n{command}\n"
 
     def submit(self, job: Planned, run: RunDir, cluster: ClusterConfig) -> SubmittedJob:
@@ -65,5 +65,7 @@ class LocalBackend:
 
 def _single(job: Planned) -> JobSpec:
     if isinstance(job, HetJobSpec):
-        raise BackendError("heterogeneous jobs need Slurm; the local backend runs components as separate jobs")
+        raise BackendError(
+            "heterogeneous jobs need Slurm; the local backend runs components as separate jobs"
+        )
     return job

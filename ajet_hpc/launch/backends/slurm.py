@@ -64,11 +64,14 @@ class SlurmBackend:
         if isinstance(job, HetJobSpec):
             return self.hetjobs.render(job, run, cluster)
         folder = run.job_log_dir(job.name)
-        command = " ".join([shlex.quote(self.python), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+        command = " ".join(
+            [shlex.quote(self.python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
+        )
         map_count = job.array if job.array and job.array > 1 else None
         try:
-            return _make_sbatch_string(command=command, folder=folder, map_count=map_count,
-                                       **slurm_parameters(job, run, cluster))
+            return _make_sbatch_string(
+                command=command, folder=folder, map_count=map_count, **slurm_parameters(job, run, cluster)
+            )
         except (TypeError, ValueError) as exc:
             raise BackendError(f"{job.name}: cannot build its sbatch script: {exc}") from exc
 
