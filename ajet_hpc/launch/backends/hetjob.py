@@ -24,16 +24,19 @@ def _flag(key: str, value: object) -> str:
 
 
 def component_options(component: JobSpec, cluster: ClusterConfig) -> list[tuple[str, object]]:
-    """sbatch options of one component. A multi-task client component asks memory per CPU."""
+    """sbatch options of one component.
+
+    Memory is asked per CPU: sbatch refuses --mem in one component beside --mem-per-cpu in another, and a
+    client component's tasks may spread over several nodes (the topology's ``mem`` is per task).
+    """
     res = component.resources
     options: list[tuple[str, object]] = [("partition", res.partition), ("time", res.time_min)]
     if component.kind == "server":
         options += [("nodes", res.nodes), ("ntasks-per-node", max(1, res.ntasks // res.nodes))]
-        options.append(("mem", res.mem))
     else:
-        per_cpu_mb = max(1, slurm_memory_mb(res.mem) // res.cpus_per_task)
-        options += [("ntasks", res.ntasks), ("mem-per-cpu", f"{per_cpu_mb}M")]
-    options.append(("cpus-per-task", res.cpus_per_task))
+        options.append(("ntasks", res.ntasks))
+    per_cpu_mb = max(1, slurm_memory_mb(res.mem) // res.cpus_per_task)
+    options += [("cpus-per-task", res.cpus_per_task), ("mem-per-cpu", f"{per_cpu_mb}M")]
     if res.gpus_per_node:
         options.append(("gpus-per-node", res.gpus_per_node))
     if cluster.account:

@@ -1,0 +1,153 @@
+"""End to end on the real Slurm dev cluster (tools/slurm-dev-cluster): submit, find, watch, cancel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support import REPO, run_module, topology_dict, wait_until, write_topology
+
+from ajet_hpc.launch import slurmcli
+from ajet_hpc.storage import rendezvous
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
+
+START_S = 90  # submit -> every client has reached the server; a few seconds on an idle dev cluster
+
+
+def launch(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = run_module("ajet_hpc.launch", str(config), *args)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done
+
+
+def jobs(run: Path) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in json.loads((run / "jobs.json").read_text())}
+
+
+def logs_containing(folder: Path, text: str) -> list[Path]:
+    return [p for p in sorted(folder.glob("*.out")) if text in p.read_text(errors="replace")]
+
+
+def states(job_id: str) -> dict[str, slurmcli.JobState]:
+    return {s.job_id: s for s in slurmcli.job_states([job_id])}
+
+
+def all_inactive(job_ids: list[str]) -> bool:
+    return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
+
+
+@pytest.fixture
+def cleanup():
+    """Job ids to scancel whatever happens in the test."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], check=False, capture_output=True)
+
+
+def test_server_and_client_array_on_dev_cluster(tmp_path: Path, cleanup: list[str]) -> None:
+    run = tmp_path / "run"
+    config = write_topology(tmp_path, topology_dict(run, backend="slurm"))
+    out = launch(config).stdout
+    submitted = jobs(run)
+    server_id, client_id = submitted["server-policy"]["job_id"], submitted["clients-math"]["job_id"]
+    cleanup += [server_id, client_id]
+    assert server_id in out and client_id in out and "python -m ajet_hpc.status" in out
+    assert submitted["clients-math"]["tasks"] == [f"{client_id}_{i}" for i in range(3)]  # one sbatch call
+
+    client_logs = run / submitted["clients-math"]["log_dir"]
+    wait_until(lambda: len(logs_containing(client_logs, "reached server policy")) == 3, START_S, "3 clients")
+
+    server = states(server_id)[server_id]
+    assert (server.state, server.partition, server.nodes) == ("RUNNING", "gpu", "g1")
+    tasks = states(client_id)
+    assert set(tasks) == {f"{client_id}_{i}" for i in range(3)}
+    assert {t.partition for t in tasks.values()} == {"cpu"}
+    assert all(t.nodes in {"c1", "c2", "c3"} for t in tasks.values()), tasks
+    record = rendezvous.read(run / "servers" / "policy.json")
+    assert record is not None and record.job_id == server_id and record.node == "g1"
+    for log in logs_containing(client_logs, "reached server policy"):
+        assert record.url in log.read_text()
+
+    status = run_module("ajet_hpc.status", str(run))
+    assert status.returncode == 0, status.stderr
+    assert f"server-policy          {server_id}" in status.stdout
+    assert "RUNNING" in status.stdout and "g1" in status.stdout
+    assert f"policy           ready    {record.url}" in status.stdout
+
+    again = launch(run)  # relaunch on the run directory: the live server is left alone
+    assert f"still active as job {server_id}" in again.stdout
+    assert jobs(run)["server-policy"]["job_id"] == server_id
+
+    logs = run_module("ajet_hpc.logs", str(run), "policy", "-n", "5")
+    assert logs.returncode == 0 and "ready at" in logs.stdout
+
+    cancel = run_module("ajet_hpc.cancel", str(run))
+    assert cancel.returncode == 0 and f"scancel {server_id}" in cancel.stdout
+    wait_until(lambda: all_inactive([server_id, client_id]), 60, "jobs to end after cancel")
+    wait_until(lambda: not (run / "servers" / "policy.json").exists(), 30, "the rendezvous to be withdrawn")
+
+
+def test_hetjob_runs_server_and_clients_as_one_job(tmp_path: Path, cleanup: list[str]) -> None:
+    run = tmp_path / "run"
+    config = write_topology(tmp_path, topology_dict(run, backend="slurm", array=2))
+    launch(config, "--hetjob")
+    (entry,) = jobs(run).values()
+    job_id = entry["job_id"]
+    cleanup.append(job_id)
+    assert entry["name"] == "het-policy-math" and entry["tasks"] == [f"{job_id}+0", f"{job_id}+1"]
+
+    log_dir = run / entry["log_dir"]
+    wait_until(lambda: len(logs_containing(log_dir, "reached server policy")) == 2, START_S, "2 het clients")
+    components = states(job_id)
+    assert components[f"{job_id}+0"].partition == "gpu" and components[f"{job_id}+0"].nodes == "g1"
+    assert components[f"{job_id}+1"].partition == "cpu"
+    assert components[f"{job_id}+1"].nodes.startswith("c")
+    assert all(c.state == "RUNNING" for c in components.values()), components
+    indexes = sorted(
+        line.split("[")[1].split("]")[0]
+        for p in logs_containing(log_dir, "reached")
+        for line in p.read_text().splitlines()
+        if "reached server" in line
+    )
+    assert indexes == ["0", "1"]  # SLURM_PROCID gives each hetjob client its own index
+
+    assert run_module("ajet_hpc.cancel", str(run)).returncode == 0
+    wait_until(lambda: all_inactive([job_id]), 60, "the hetjob to end after cancel")
+
+
+def test_hand_written_sbatch_scripts(tmp_path: Path, cleanup: list[str]) -> None:
+    run = tmp_path / "run"
+    config = write_topology(tmp_path, topology_dict(run, backend="slurm", array=2))
+    out = launch(config, "--no-submit").stdout
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("sbatch ")]
+    assert len(commands) == 2
+    ids = []
+    for command in commands:
+        done = subprocess.run(
+            command.replace("sbatch ", "sbatch --parsable ", 1).split(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        ids.append(done.stdout.strip())
+    cleanup.extend(ids)
+    wait_until(lambda: len(logs_containing(run / "logs", "reached server policy")) == 2, START_S, "2 clients")
+    subprocess.run(["scancel", ids[0]], check=True)
+    wait_until(
+        lambda: not (run / "servers" / "policy.json").exists(), 60, "the server to withdraw on scancel"
+    )
+
+
+def test_unknown_partition_on_live_cluster_exits_2(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    data = topology_dict(run, backend="slurm")
+    data["clients"][0]["partition"] = "nosuchpartition"
+    done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, data)))
+    assert done.returncode == 2
+    assert "clients[0].partition: unknown partition 'nosuchpartition'" in done.stderr
+    assert not run.exists()
