@@ -7,8 +7,11 @@ backend never holds one.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,17 @@ class LocalBackend:
         executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(self.python), max_num_timeout=100)
         executor.update_parameters(
             timeout_min=job.resources.time_min,
+            gpus_per_node=job.resources.gpus_per_node,
             signal_delay_s=cluster.signal_delay_s,
             stderr_to_stdout=True,
             setup=list(cluster.setup),
         )
         submitted: list[submitit.Job[Any]]
-        if job.kind == "server":
-            submitted = [executor.submit(ServerJob(str(run.root), job.target))]
-        else:
-            submitted = executor.map_array(ClientJob(str(run.root), job.target), range(job.array or 1))
+        with _controller_output(folder / "controller.log"):
+            if job.kind == "server":
+                submitted = [executor.submit(ServerJob(str(run.root), job.target))]
+            else:
+                submitted = executor.map_array(ClientJob(str(run.root), job.target), range(job.array or 1))
         self.handles[job.name] = submitted
         tasks = [j.job_id for j in submitted]
         return SubmittedJob(
@@ -61,6 +66,29 @@ class LocalBackend:
             log_dir=str(Path(folder).relative_to(run.root)),
             targets=[job.target],
         )
+
+
+@contextlib.contextmanager
+def _controller_output(path: Path) -> Iterator[None]:
+    """Point stdout/stderr at ``path`` while controllers start, so that they inherit it, not ours.
+
+    Controllers outlive the launcher (``--detach``); holding its stdout open would keep a pipe reading
+    from the launcher (``| tee``, ``subprocess.run``) waiting until the whole run ends.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
 
 
 def _single(job: Planned) -> JobSpec:
