@@ -75,22 +75,39 @@ def job_states(job_ids: Iterable[str]) -> list[JobState]:
             rec = _parse_scontrol_record(line)
             if "JobId" not in rec:
                 continue
-            shown = rec["JobId"]
-            if rec.get("ArrayTaskId") not in (None, "", "(null)"):
-                shown = f"{rec.get('ArrayJobId', rec['JobId'])}_{rec['ArrayTaskId']}"
-            elif rec.get("HetJobOffset") not in (None, ""):
-                shown = f"{rec.get('HetJobId', rec['JobId'])}+{rec['HetJobOffset']}"
             nodes = rec.get("NodeList", "")
-            states.append(
-                JobState(
-                    job_id=shown,
-                    state=rec.get("JobState", "UNKNOWN"),
-                    partition=rec.get("Partition", ""),
-                    nodes="" if nodes == "(null)" else nodes,
-                    reason=rec.get("Reason", ""),
+            for shown in _task_ids(rec):
+                states.append(
+                    JobState(
+                        job_id=shown,
+                        state=rec.get("JobState", "UNKNOWN"),
+                        partition=rec.get("Partition", ""),
+                        nodes="" if nodes == "(null)" else nodes,
+                        reason=rec.get("Reason", ""),
+                    )
                 )
-            )
     return states
+
+
+def _task_ids(rec: dict[str, str]) -> list[str]:
+    """The task ids one scontrol record stands for: pending array tasks share one record whose
+    ArrayTaskId is a range list (``0-2``, ``1,3-5``, ``0-9%3``)."""
+    task = rec.get("ArrayTaskId")
+    if task not in (None, "", "(null)"):
+        base = rec.get("ArrayJobId", rec["JobId"])
+        return [f"{base}_{index}" for index in expand_ranges(task.split("%")[0])]
+    if rec.get("HetJobOffset") not in (None, ""):
+        return [f"{rec.get('HetJobId', rec['JobId'])}+{rec['HetJobOffset']}"]
+    return [rec["JobId"]]
+
+
+def expand_ranges(text: str) -> list[int]:
+    """``1,3-5`` -> [1, 3, 4, 5]."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.extend(range(int(low), int(high or low) + 1))
+    return out
 
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}

@@ -40,10 +40,13 @@ def all_inactive(job_ids: list[str]) -> bool:
 
 
 @pytest.fixture
-def cleanup():
-    """Job ids to scancel whatever happens in the test."""
+def cleanup(tmp_path: Path):
+    """Job ids to scancel whatever happens in the test, besides every job recorded in tmp_path/run."""
     ids: list[str] = []
     yield ids
+    registry = tmp_path / "run" / "jobs.json"
+    if registry.exists():
+        ids += [entry["job_id"] for entry in json.loads(registry.read_text())]
     if ids:
         subprocess.run(["scancel", *ids], check=False, capture_output=True)
 
@@ -87,7 +90,8 @@ def test_server_and_client_array_on_dev_cluster(tmp_path: Path, cleanup: list[st
 
     cancel = run_module("ajet_hpc.cancel", str(run))
     assert cancel.returncode == 0 and f"scancel {server_id}" in cancel.stdout
-    wait_until(lambda: all_inactive([server_id, client_id]), 60, "jobs to end after cancel")
+    every_job = [entry["job_id"] for entry in json.loads((run / "jobs.json").read_text())]
+    wait_until(lambda: all_inactive(every_job), 60, "every job of the run to end after cancel")
     wait_until(lambda: not (run / "servers" / "policy.json").exists(), 30, "the rendezvous to be withdrawn")
 
 
@@ -151,3 +155,36 @@ def test_unknown_partition_on_live_cluster_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "clients[0].partition: unknown partition 'nosuchpartition'" in done.stderr
     assert not run.exists()
+
+
+def test_preempted_server_is_requeued_by_submitits_signal(tmp_path: Path, cleanup: list[str]) -> None:
+    """A job on the higher-tier partition 'urgent' preempts the server on g1: Slurm sends USR2
+    (preempt_send_user_signal), submitit checkpoints and requeues, and the server comes back with a
+    fresh rendezvous file."""
+    run = tmp_path / "run"
+    data = topology_dict(run, backend="slurm")
+    data["clients"] = []
+    data["servers"][0]["time"] = "30:00"  # submitit counts any signal in the last 10 minutes as a timeout
+    launch(write_topology(tmp_path, data))
+    server_id = jobs(run)["server-policy"]["job_id"]
+    path = run / "servers" / "policy.json"
+    first = wait_until(lambda: rendezvous.read(path), START_S, "the server's rendezvous")
+
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "-w", "g1", "-c", "2", "--mem=100M", "--wrap", "sleep 2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    cleanup.append(urgent)
+
+    def restarted():
+        record = rendezvous.read(path)
+        return record if record is not None and record.started_at != first.started_at else None
+
+    second = wait_until(restarted, 120, "the requeued server to publish again")
+    assert second.job_id == server_id  # same job, requeued
+    out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout
+    assert "Restarts=1" in out
+    log = (run / "logs" / "server-policy" / f"{server_id}_0_log.out").read_text()
+    assert "this job is preempted" in log and f"Requeued job {server_id}" in log
