@@ -9,6 +9,7 @@ from ajet_hpc.config.topology import (
     ClusterConfig,
     RunConfig,
     ServerConfig,
+    ServingConfig,
     Topology,
     TrainerConfig,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigIssue",
     "RunConfig",
     "ServerConfig",
+    "ServingConfig",
     "Topology",
     "TrainerConfig",
     "apply_overrides",

@@ -109,6 +109,31 @@ class TrainerConfig(BaseModel):
     seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")
 
 
+class ServingConfig(BaseModel):
+    """How a server serves agents: context length, limits, episodes and tokens."""
+
+    model_config = _MODEL_CONFIG
+
+    max_model_len: int = Field(default=2048, ge=16, description="Context length (prompt + answer) in tokens.")
+    max_tokens: int = Field(
+        default=1024, ge=1, description="Largest max_tokens a request may ask for (and the default)."
+    )
+    max_n: int = Field(default=8, ge=1, description="Largest n (answers per request) a request may ask for.")
+    episode_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="An episode with no call for this long is dropped and reported, so its task runs again.",
+    )
+    token_ttl_s: float = Field(
+        default=86400.0, gt=0, allow_inf_nan=False, description="Lifetime of an episode token in seconds."
+    )
+    tool_parser: Literal["hermes"] = Field(
+        default="hermes",
+        description="How tool calls are read from the model's text: 'hermes' = <tool_call>{json}</tool_call>.",
+    )
+
+
 class ServerConfig(BaseModel):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""
 
@@ -133,6 +158,7 @@ class ServerConfig(BaseModel):
         default="4:00:00", description="Time limit per job: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."
     )
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
+    serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits and episode settings.")
     trainer: TrainerConfig = Field(default=TrainerConfig(), description="Trainer settings of this model.")
 
     @property
