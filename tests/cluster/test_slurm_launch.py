@@ -171,7 +171,20 @@ def test_preempted_server_is_requeued_by_submitits_signal(tmp_path: Path, cleanu
     first = wait_until(lambda: rendezvous.read(path), START_S, "the server's rendezvous")
 
     urgent = subprocess.run(
-        ["sbatch", "--parsable", "-p", "urgent", "-w", "g1", "-c", "2", "--mem=100M", "--wrap", "sleep 2"],
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "urgent",
+            "-w",
+            "g1",
+            "-c",
+            "2",
+            "--mem=100M",
+            f"--output={tmp_path}/urgent-%j.out",
+            "--wrap",
+            "sleep 2",
+        ],
         capture_output=True,
         text=True,
         check=True,

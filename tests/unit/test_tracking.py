@@ -1,0 +1,288 @@
+"""Context tracking on the tiny tokenizer: recorded answers reused token for token, drift, authors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ajet_hpc.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from ajet_hpc.tracking import MODEL, SYSTEM, TOOL, USER, ContextTracker, DriftEvent, PromptPlan, Timeline
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def call(name: str, arguments: str, call_id: str = "call_1") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def serve(
+    tracker: ContextTracker,
+    messages: list[dict[str, Any]],
+    reply: dict[str, Any],
+    response_ids: list[int],
+    tools: list[dict[str, Any]] | None = None,
+    finish_reason: str = "stop",
+) -> tuple[PromptPlan, Timeline]:
+    """One model call as the server makes it: plan, 'sample' ``response_ids``, record."""
+    plan = tracker.build_prompt(messages, tools)
+    logprobs = [-0.5] * len(response_ids)
+    return plan, tracker.record(plan, response_ids, logprobs, reply, finish_reason, policy_version=3)
+
+
+def author_runs(tokenizer, ids: list[int], authors: list[int]) -> list[tuple[int, str]]:
+    runs: list[tuple[int, list[int]]] = []
+    for token, author in zip(ids, authors, strict=True):
+        if runs and runs[-1][0] == author:
+            runs[-1][1].append(token)
+        else:
+            runs.append((author, [token]))
+    return [(author, tokenizer.decode(tokens)) for author, tokens in runs]
+
+
+def test_five_calls_with_tools_reuse_every_answer_verbatim(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    weather = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
+    rome = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call><|im_end|>'
+    turns = [  # (answer as sampled, reply message returned to the agent, what the agent adds next)
+        (weather, {"content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}, "tool:sunny"),
+        ("It is sunny.<|im_end|>", {"content": "It is sunny."}, "user:And Rome?"),
+        (
+            rome,
+            {"content": "Checking.", "tool_calls": [call("get_weather", '{"city": "Rome"}', "c2")]},
+            "tool:rain",
+        ),
+        ("Rainy in Rome.<|im_end|>", {"content": "Rainy in Rome."}, "user:Thanks!"),
+        ("You're welcome.<|im_end|>", {"content": "You're welcome."}, None),
+    ]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    previous: Timeline | None = None
+    responses = []
+    for sampled, reply, then in turns:
+        plan, timeline = serve(
+            tracker, messages, {"role": "assistant", **reply}, encode(tokenizer, sampled), TOOLS
+        )
+        assert plan.drift == []
+        if previous is not None:  # a linear conversation: each prompt extends the previous call's tokens
+            assert plan.prompt_ids[: len(previous.token_ids)] == previous.token_ids
+        assert [plan.prompt_ids[start:end] for start, end in plan.reused_spans] == responses
+        assert [plan.token_authors[start] for start, _ in plan.reused_spans] == [MODEL] * len(responses)
+        assert sum(a == MODEL for a in plan.token_authors) == sum(len(r) for r in responses)
+        assert timeline.loss_mask == [0] * len(plan.prompt_ids) + [1] * len(timeline.response_ids)
+        assert timeline.token_authors == plan.token_authors + [MODEL] * len(timeline.response_ids)
+        assert timeline.messages == [*messages, {"role": "assistant", **reply}]
+        assert (timeline.tools, timeline.policy_version, timeline.response_logprobs[0]) == (TOOLS, 3, -0.5)
+        responses.append(timeline.response_ids)
+        previous = timeline
+        messages = [*messages, {"role": "assistant", **reply}]
+        if then:
+            role, _, content = then.partition(":")
+            extra = {"tool_call_id": "call_1"} if role == "tool" else {}
+            messages.append({"role": role, "content": content, **extra})
+    assert len(tracker.timelines) == 5 and tracker.drift_counts() == {}
+
+
+def test_first_prompt_is_the_templates_own_tokenization(tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    plan = ContextTracker(tokenizer).build_prompt(messages, TOOLS)
+    expected = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert plan.text == expected
+    assert plan.prompt_ids == encode(tokenizer, expected)
+    assert (plan.reused_spans, plan.drift) == ([], [])
+
+
+def test_authors_per_token(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    serve(
+        tracker, messages, {"role": "assistant", "content": "Hello!"}, encode(tokenizer, "Hello!<|im_end|>")
+    )
+    messages += [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    plan = tracker.build_prompt(messages)
+    assert author_runs(tokenizer, plan.prompt_ids, plan.token_authors) == [
+        (SYSTEM, "<|im_start|>system\nBe brief.<|im_end|>\n"),
+        (USER, "<|im_start|>user\nHi<|im_end|>\n"),
+        (SYSTEM, "<|im_start|>assistant\n"),  # scaffolding of an assistant turn is context
+        (MODEL, "Hello!<|im_end|>"),  # what the model sampled, stop token included
+        (SYSTEM, "\n"),
+        (USER, "<|im_start|>user\nBye<|im_end|>\n"),
+        (SYSTEM, "<|im_start|>assistant\n"),  # the generation prompt
+    ]
+
+
+def test_tool_preamble_is_system_and_tool_results_are_tool(tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", "{}")]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    plan = ContextTracker(tokenizer).build_prompt(messages, TOOLS)
+    runs = author_runs(tokenizer, plan.prompt_ids, plan.token_authors)
+    assert [author for author, _ in runs] == [SYSTEM, USER, SYSTEM, TOOL, SYSTEM]
+    assert runs[0][1].startswith("<|im_start|>system\n# Tools") and runs[0][1].endswith(
+        "</tool_call><|im_end|>\n"
+    )
+    assert runs[1][1] == "<|im_start|>user\nGo<|im_end|>\n"
+    assert runs[3][1] == "<|im_start|>tool\ndone<|im_end|>\n"
+    assert [event.kind for event in plan.drift] == ["answer_not_found"]  # the agent wrote that tool call
+
+
+def test_answer_sampled_in_odd_tokens_is_reused_and_reported(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
+    # The model spelled the tag character by character; the text re-tokenizes to the added token <tool_call>.
+    odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + encode(tokenizer, text[11:])
+    assert tokenizer.decode(odd) == text and odd != encode(tokenizer, text)
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}
+    messages = [{"role": "user", "content": "Weather?"}]
+    serve(tracker, messages, reply, odd, TOOLS)
+    messages += [reply, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    plan, _ = serve(
+        tracker, messages, {"role": "assistant", "content": "Sunny."}, encode(tokenizer, "Sunny."), TOOLS
+    )
+    assert [(event.message_index, event.kind) for event in plan.drift] == [(1, "retokenized_differently")]
+    ((start, end),) = plan.reused_spans
+    assert plan.prompt_ids[start:end] == odd
+    assert plan.prompt_ids != encode(tokenizer, plan.text) and tokenizer.decode(plan.prompt_ids) == plan.text
+    assert tracker.drift_counts() == {"retokenized_differently": 1}
+
+
+def test_edited_answer_is_not_found_and_used_as_context(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    messages = [{"role": "user", "content": "Hi"}]
+    serve(
+        tracker, messages, {"role": "assistant", "content": "Hello!"}, encode(tokenizer, "Hello!<|im_end|>")
+    )
+    messages += [{"role": "assistant", "content": "Hello there!"}, {"role": "user", "content": "Bye"}]
+    plan = tracker.build_prompt(messages)
+    assert plan.drift == [DriftEvent(1, "answer_not_found", plan.drift[0].detail)]
+    assert plan.reused_spans == [] and MODEL not in plan.token_authors
+    assert plan.prompt_ids == encode(tokenizer, plan.text)
+
+
+def test_same_reply_in_two_branches_reuses_each_branchs_own_tokens(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><|im_end|>'
+    canonical = encode(tokenizer, text)
+    odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + canonical[1:]
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", "{}")]}
+    branches = {"first": odd, "second": canonical}
+    for question, ids in branches.items():
+        serve(tracker, [{"role": "user", "content": question}], reply, ids, TOOLS)
+    for question, ids in branches.items():
+        messages = [{"role": "user", "content": question}, reply, {"role": "tool", "content": "ok"}]
+        plan = tracker.build_prompt(messages, TOOLS)
+        ((start, end),) = plan.reused_spans
+        assert plan.prompt_ids[start:end] == ids
+
+
+def test_reserialized_arguments_match_but_template_text_differs(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    sampled = '<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call><|im_end|>'
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city":"Paris"}')]}
+    serve(tracker, [{"role": "user", "content": "Go"}], reply, encode(tokenizer, sampled), TOOLS)
+    sent_back = {**reply, "tool_calls": [call("get_weather", json.dumps({"city": "Paris"}))]}
+    plan = tracker.build_prompt(
+        [{"role": "user", "content": "Go"}, sent_back, {"role": "tool", "content": "x"}], TOOLS
+    )
+    assert [(event.message_index, event.kind) for event in plan.drift] == [(1, "template_dropped_content")]
+    assert plan.reused_spans == [] and plan.prompt_ids == encode(tokenizer, plan.text)
+
+
+def test_truncated_answer_and_other_stop_token_are_reused(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    truncated = encode(tokenizer, "It is su")  # finish_reason length: no stop token; the template closes it
+    eot = [*encode(tokenizer, "Bye."), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    serve(
+        tracker,
+        [{"role": "user", "content": "a"}],
+        {"role": "assistant", "content": "It is su"},
+        truncated,
+        finish_reason="length",
+    )
+    serve(tracker, [{"role": "user", "content": "b"}], {"role": "assistant", "content": "Bye."}, eot)
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "It is su"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "Bye."},
+        {"role": "user", "content": "c"},
+    ]
+    plan = tracker.build_prompt(messages)
+    assert plan.drift == []
+    assert [plan.prompt_ids[start:end] for start, end in plan.reused_spans] == [truncated, eot[:-1]]
+    assert plan.prompt_ids == encode(tokenizer, plan.text)  # the template's own <|im_end|> closes both
+
+
+def test_template_that_rewrites_earlier_turns_is_reported(tokenizer) -> None:
+    # Like reasoning templates: answers before the last user turn lose their <think> part.
+    stripping = build_tokenizer()  # the tiny tokenizer with another template
+    stripping.chat_template = (
+        "{% set ns = namespace(last=0) %}"
+        "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}"
+        "{% endfor %}"
+        + CHAT_TEMPLATE.replace(
+            "{{ message.content or '' }}{% for call",
+            "{% if loop.index0 < ns.last %}{{ (message.content or '').split('</think>')[-1] }}"
+            "{% else %}{{ message.content or '' }}{% endif %}{% for call",
+        )
+    )
+    tracker = ContextTracker(stripping)
+    answer = "<think>hmm</think>Hi!"
+    serve(
+        tracker,
+        [{"role": "user", "content": "a"}],
+        {"role": "assistant", "content": answer},
+        encode(stripping, answer + "<|im_end|>"),
+    )
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": answer}]
+    plan = tracker.build_prompt([*messages, {"role": "user", "content": "b"}])
+    assert {(event.message_index, event.kind) for event in plan.drift} == {
+        (1, "template_not_incremental"),
+        (1, "template_dropped_content"),
+    }
+    assert plan.prompt_ids == encode(stripping, plan.text) and "hmm" not in plan.text
+    assert tracker.build_prompt(messages).drift == []  # after the last user turn the answer is kept
+
+
+def test_timeline_round_trips_through_json(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><|im_end|>'
+    odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + encode(tokenizer, text)[1:]
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", "{}")]}
+    serve(tracker, [{"role": "user", "content": "Go"}], reply, odd, TOOLS)
+    messages = [{"role": "user", "content": "Go"}, reply, {"role": "tool", "content": "x"}]
+    _, timeline = serve(
+        tracker, messages, {"role": "assistant", "content": "ok"}, encode(tokenizer, "ok"), TOOLS
+    )
+    assert timeline.drift and timeline.reused_spans
+    data = json.loads(json.dumps(timeline.to_dict()))
+    assert Timeline.from_dict(data) == timeline
+    assert timeline.token_ids == timeline.prompt_ids + timeline.response_ids
+
+
+def test_timeline_checks_its_lengths() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        Timeline([1], [2, 3], [0.0], [0, 3, 3], [0, 1, 1], [], None, 0, "stop")
+    with pytest.raises(ValueError, match="loss_mask"):
+        Timeline([1], [2], [0.0], [0, 3], [1], [], None, 0, "stop")
+
+
+def test_record_rejects_logprobs_of_another_length(tokenizer) -> None:
+    tracker = ContextTracker(tokenizer)
+    plan = tracker.build_prompt([{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="logprobs"):
+        tracker.record(plan, [5, 6], [0.0], {"role": "assistant", "content": "x"}, "stop", 0)
+    assert tracker.timelines == []
