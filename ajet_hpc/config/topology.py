@@ -130,7 +130,7 @@ class ServingConfig(BaseModel):
     )
     tool_parser: Literal["hermes"] = Field(
         default="hermes",
-        description="How tool calls are read from the model's text: 'hermes' = <tool_call>{json}</tool_call>.",
+        description="How tool calls are read from the answers ('hermes': <tool_call>{json}</tool_call>)",
     )
 
 
@@ -158,7 +158,7 @@ class ServerConfig(BaseModel):
         default="4:00:00", description="Time limit per job: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."
     )
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
-    serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits and episode settings.")
+    serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits, episode settings.")
     trainer: TrainerConfig = Field(default=TrainerConfig(), description="Trainer settings of this model.")
 
     @property

@@ -13,9 +13,11 @@ import time
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.server.app import ServerState, create_app
+from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 
@@ -100,8 +102,17 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         "server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port
     )
 
-    state = ServerState(name=config.name, model=config.model, job_id=job.job_id)
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
+    model_path = resolve_model(config.model, run.root / "models")
+    engine = create_engine(config.engine, model_path, max_model_len=config.serving.max_model_len)
+    ctx = ServerContext(
+        name=config.name,
+        engine=engine,
+        settings=config.serving,
+        secret=run.read_secret(),
+        job_id=job.job_id,
+        public_url=f"http://{host}:{port}",
+    )
+    server = _Server(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,
         url=f"http://{host}:{port}",
@@ -110,7 +121,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         pid=os.getpid(),
         job_id=job.job_id,
         node=job.node,
-        started_at=state.started_at,
+        started_at=ctx.started_at,
     )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server)
     heartbeat.start()

@@ -1,0 +1,166 @@
+"""The one interface every inference engine implements, and the rules both engines share.
+
+An engine turns prompt token ids into sampled token ids, streamed as `Chunk` increments, each token with
+its log-probability under the model. Token ids in, token ids out: the chat template, the text and the
+OpenAI schema belong to the HTTP layer (``ajet_hpc.server``), which records every token it serves.
+
+Log-probabilities are *raw*: the log-softmax of the model's logits at temperature 1, before temperature,
+top-p or any other processing (vLLM's ``logprobs_mode="raw_logprobs"``). They are what the trainer needs
+(the behaviour policy's log-probability of each sampled token) and what a forward pass of the same weights
+over prompt + response reproduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length", "abort"]
+
+GREEDY_EPS = 1e-5
+"""A temperature below this samples greedily (argmax), as in vLLM."""
+
+
+class EngineError(Exception):
+    """A request or an operation the engine cannot serve; the message says why and what to change."""
+
+
+class PromptTooLong(EngineError):
+    """The prompt leaves no room for even one new token within the engine's ``max_model_len``."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    A temperature below ``GREEDY_EPS`` (e.g. 0) samples greedily. A ``seed`` makes sampling reproducible
+    on one engine (not across engines: their random streams differ). Generation stops after the
+    tokenizer's / the model's EOS ids (always), any of ``stop_token_ids``, or the token that completes any
+    of the ``stop`` strings, checked on the text decoded with special tokens skipped.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(
+                f"temperature must be >= 0 and finite (0 samples greedily), got {self.temperature!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        # Lists are accepted for convenience and frozen into tuples (the object stays hashable).
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must hold token ids (integers >= 0), got {self.stop_token_ids!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed increment of a completion.
+
+    ``token_ids`` are the newly sampled tokens exactly as sampled: an EOS, stop token or the token that
+    completes a stop string is included (the HTTP layer trims the text). ``logprobs[i]`` is the raw
+    log-probability of ``token_ids[i]`` (see the module doc). ``finish_reason`` is None while running and
+    set on the last chunk only: "stop" (EOS, stop token or stop string), "length" (``max_tokens`` or the
+    end of the context) or "abort" (`Engine.abort` or the consumer stopped reading). The last chunk may
+    carry no tokens.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine. Use as ``async with engine:`` or call `start` / `stop`.
+
+    ``generate(prompt_ids, params, request_id)`` streams `Chunk` s; concatenating all chunks' token_ids
+    gives exactly what was sampled, and the last chunk has ``finish_reason`` set. The request needs at
+    least one free position: a prompt of ``max_model_len`` tokens or more raises `PromptTooLong`, and
+    ``max_tokens`` is clamped to the room left (``max_model_len - len(prompt_ids)``), which then ends with
+    "length". Errors are `EngineError` s, raised when the iterator is first advanced.
+    ``abort(request_id)`` ends a running request (its stream ends with "abort"); unknown ids are ignored.
+    ``load_weights(path, version)`` loads the weights of a ``save_pretrained`` folder of the same
+    architecture into the running engine and sets ``policy_version``; the engines document what happens
+    to requests in flight.
+    """
+
+    name: str
+    max_model_len: int
+    policy_version: int
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[Chunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def load_weights(self, path: Path, version: int) -> None: ...
+
+
+def fit_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """``max_tokens`` clamped to the room the prompt leaves; `PromptTooLong` when there is none."""
+    if prompt_len < 1:
+        raise EngineError("the prompt is empty: give at least one token id")
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise PromptTooLong(
+            f"the prompt has {prompt_len} tokens and the engine's max_model_len is {max_model_len}: "
+            f"shorten the prompt to at most {max_model_len - 1} tokens or raise max_model_len"
+        )
+    return min(max_tokens, room)
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int, max_tokens: int, max_model_len: int) -> int:
+    """Validate prompt token ids; returns the max_tokens the request may use (`fit_max_tokens`)."""
+    bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return fit_max_tokens(len(prompt_ids), max_tokens, max_model_len)
+
+
+async def generate_all(
+    engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str
+) -> Chunk:
+    """The whole completion as one `Chunk` (all chunks of `Engine.generate` concatenated)."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: FinishReason | None = None
+    async for chunk in engine.generate(prompt_ids, params, request_id):
+        token_ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        finish_reason = chunk.finish_reason
+    if finish_reason is None:
+        raise EngineError(f"request {request_id}: the stream ended without a finish reason")
+    return Chunk(token_ids, logprobs, finish_reason)

@@ -1,0 +1,249 @@
+"""The production engine: vLLM's ``AsyncLLM`` (v1), continuously batching concurrent requests.
+
+vLLM runs the model in its own processes (EngineCore and a worker); this process holds the client, which
+streams each request's outputs as deltas (``RequestOutputKind.DELTA``), one token per engine step.
+Log-probabilities are requested for the sampled token only (``logprobs=0``) in vLLM's default
+``logprobs_mode="raw_logprobs"``, set explicitly here: the model's log-softmax before temperature and top-p.
+
+Weights are reloaded in place (`load_weights`) between engine steps, with generation paused, and the KV
+cache of requests in flight is recomputed with the new weights: every token sampled after
+``load_weights`` returns comes from the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ajet_hpc.engine.base import Chunk, EngineError, FinishReason, SamplingParams, check_prompt
+from ajet_hpc.engine.model_path import offline_hub
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """Settings of the vLLM engine."""
+
+    dtype: str = "auto"
+    """Weights' dtype: "auto" is bfloat16 on a GPU and float32 on the CPU."""
+    max_model_len: int = 2048
+    """Most tokens of prompt + completion."""
+    gpu_memory_utilization: float = 0.85
+    """Share of the GPU's memory vLLM may take (weights + KV cache). Unused on the CPU."""
+    cpu_kv_cache_gib: int = 1
+    """KV cache size on the CPU (VLLM_CPU_KVCACHE_SPACE) unless that variable is already set."""
+    enforce_eager: bool | None = None
+    """No CUDA graphs / compilation; None: True on the CPU, False on a GPU."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (reset on every weight reload)."""
+    seed: int = 0
+    """Seeds the random stream of requests that give no seed of their own."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib < 1:
+            raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
+
+
+class VllmEngine:
+    """`ajet_hpc.engine.base.Engine` on vLLM's ``AsyncLLM`` (see the module doc)."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: Path, settings: VllmSettings | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.settings = settings or VllmSettings()
+        self.max_model_len = self.settings.max_model_len
+        self.policy_version = 0
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._llm: Any = None
+        self._vocab_size = 0
+        self._tied_embeddings = False
+        self._reload_lock: asyncio.Lock | None = None
+        self._in_flight: set[str] = set()
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            raise EngineError("the engine is not started: call start() first")
+        return self._tokenizer
+
+    async def __aenter__(self) -> VllmEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        offline_hub()
+        started = time.monotonic()
+        on_cpu = current_platform.is_cpu()
+        settings = self.settings
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
+        dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
+        config = json.loads((self.model_path / "config.json").read_text())
+        self._vocab_size = config["vocab_size"]
+        self._tied_embeddings = bool(config.get("tie_word_embeddings", False))
+        args = AsyncEngineArgs(
+            model=str(self.model_path),
+            dtype=dtype,
+            max_model_len=settings.max_model_len,
+            enforce_eager=on_cpu if settings.enforce_eager is None else settings.enforce_eager,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            seed=settings.seed,
+            logprobs_mode="raw_logprobs",
+        )
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._reload_lock = asyncio.Lock()
+        log.info(
+            "vllm engine: loaded %s (%s, %s, max_model_len %d) in %.1f s",
+            self.model_path,
+            current_platform.device_type,
+            dtype,
+            self.max_model_len,
+            time.monotonic() - started,
+        )
+
+    async def stop(self) -> None:
+        """Shut the engine's processes down (requests in flight end with "abort")."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        started = time.monotonic()
+        if self._in_flight:
+            await llm.abort(list(self._in_flight))  # their streams get their final "abort" output now
+        if llm.output_handler is not None:  # else it may log the engine's death as a failure
+            llm.output_handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await llm.output_handler
+        await asyncio.to_thread(llm.shutdown)
+        # AsyncLLM.__del__ shuts down again; run it now, not at interpreter exit (where it fails).
+        del llm
+        log.info("vllm engine: stopped in %.1f s", time.monotonic() - started)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[Chunk]:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import tokens_input
+
+        if self._llm is None:
+            raise EngineError("the engine is not started: call start() first")
+        max_tokens = check_prompt(prompt_ids, self._vocab_size, params.max_tokens, self.max_model_len)
+        if request_id in self._in_flight:
+            raise EngineError(f"request id {request_id!r} is already in flight")
+        stream = self._llm.generate(
+            tokens_input(list(prompt_ids)), _vllm_params(params, max_tokens), request_id
+        )
+        self._in_flight.add(request_id)
+        try:
+            async for output in stream:
+                completion = output.outputs[0]
+                token_ids = list(completion.token_ids)
+                finish = completion.finish_reason
+                if not token_ids and finish is None:
+                    continue
+                if finish is not None and finish not in _FINISH_REASONS:
+                    raise EngineError(f"request {request_id}: vLLM finished it with {finish!r}")
+                logprobs = [
+                    entry[token].logprob
+                    for token, entry in zip(token_ids, completion.logprobs or [], strict=False)
+                ]
+                if len(logprobs) != len(token_ids):
+                    raise EngineError(f"request {request_id}: vLLM returned no logprob for some tokens")
+                yield Chunk(token_ids, logprobs, _FINISH_REASONS[finish] if finish else None)
+        except (VLLMValidationError, ValueError) as error:
+            raise EngineError(f"request {request_id}: {error}") from error
+        finally:
+            self._in_flight.discard(request_id)
+            await stream.aclose()  # aborts the request in vLLM when the consumer left early
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def load_weights(self, path: Path, version: int) -> None:
+        """Reload the weights from a ``save_pretrained`` folder in place, without restarting vLLM.
+
+        Generation pauses (requests in flight are kept), the worker reloads the weights, the prefix cache
+        is dropped and requests in flight recompute their KV cache under the new weights, then generation
+        resumes. Untied input/output embeddings only: vLLM's in-place reload breaks a tie.
+        """
+        if self._llm is None or self._reload_lock is None:
+            raise EngineError("the engine is not started: call start() first")
+        if self._tied_embeddings:
+            raise EngineError(
+                f"load_weights: {self.model_path} ties its input and output embeddings, which vLLM's "
+                "in-place reload breaks (the output head keeps its old values); use an untied model "
+                "(tie_word_embeddings=False) or the transformers engine"
+            )
+        path = Path(path)
+        if not any(path.glob("*.safetensors")):
+            raise EngineError(f"load_weights: no *.safetensors file in {path} (save with save_pretrained)")
+        async with self._reload_lock:
+            started = time.monotonic()
+            llm = self._llm
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                await llm.update_weight_version(str(version))
+            finally:
+                await llm.resume_generation()
+            self.policy_version = version
+            log.info(
+                "vllm engine: reloaded weights %s as policy version %d in %.3f s",
+                path,
+                version,
+                time.monotonic() - started,
+            )
+
+
+def _vllm_params(params: SamplingParams, max_tokens: int) -> Any:
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        logprobs=0,  # the sampled token's logprob only
+        output_kind=RequestOutputKind.DELTA,
+        skip_special_tokens=True,  # stop strings are matched on this text
+    )

@@ -1,0 +1,182 @@
+"""Who may call a server: the run secret and signed episode tokens (pure functions, no web framework).
+
+Every request carries ``Authorization: Bearer <token>``. Two kinds of token exist:
+
+- the **run secret** (the hex string in ``RUN/secret``, mode 0600): held by the user, the launcher and the
+  client runners. It authorizes the episode API (begin, end, abort) and status.
+- an **episode token**, issued by the server when an episode begins and handed to the agent as its API key.
+  It authorizes only chat/completions calls for its own episode and model, until it expires. Format::
+
+      ep1.<base64url(payload)>.<base64url(HMAC-SHA256(secret, "ep1." + base64url(payload)))>
+
+  with ``payload = {"e": episode_id, "m": model, "x": expiry}`` as compact JSON with sorted keys, expiry in
+  whole unix seconds, base64url without padding. The HMAC key is the secret string as UTF-8 bytes.
+
+What each presented token gets (``authorize_run_call`` / ``authorize_episode_call``)::
+
+    presented                        episode API, status      chat / completions
+    no header, not "Bearer <token>"  401 Unauthorized         401 Unauthorized
+    run secret                       allowed                  403 Forbidden (begin an episode, use its token)
+    episode token, forged/malformed  401 Unauthorized         401 Unauthorized
+    episode token, expired           401 Unauthorized         401 Unauthorized
+    episode token, valid             403 Forbidden            allowed, if for this model and (when the
+                                                              request names one) this episode; else 403
+
+The run secret is refused for model calls on purpose: every token the server serves is recorded for
+training, and a call outside an episode has nowhere to be recorded. Error messages never echo a token;
+``redact`` removes tokens and secrets from text bound for logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+
+TOKEN_VERSION = "ep1"
+
+
+class AuthError(Exception):
+    """A request that may not proceed; ``status_code`` and ``code`` shape the OpenAI-style error body."""
+
+    status_code: int = 401
+    code: str = "invalid_api_key"
+
+
+class Unauthorized(AuthError):
+    """No credential, or one that is malformed, forged or expired (HTTP 401)."""
+
+    status_code = 401
+    code = "invalid_api_key"
+
+
+class Forbidden(AuthError):
+    """A valid credential that does not cover this request (HTTP 403)."""
+
+    status_code = 403
+    code = "forbidden"
+
+
+@dataclass(frozen=True)
+class EpisodeClaims:
+    """What a verified episode token grants."""
+
+    episode_id: str
+    model: str
+    expires_at: float
+
+
+def _b64encode(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _b64decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _signature(secret: str, signed: str) -> str:
+    digest = hmac.new(secret.encode("utf-8"), signed.encode("ascii"), hashlib.sha256).digest()
+    return _b64encode(digest)
+
+
+def issue_episode_token(
+    secret: str, episode_id: str, model: str, ttl_s: float, now: float | None = None
+) -> str:
+    """A token for the chat calls of one episode on one model, valid ``ttl_s`` seconds from ``now``."""
+    if not secret:
+        raise ValueError("cannot sign an episode token with an empty secret")
+    if not episode_id or not model:
+        raise ValueError("an episode token needs a non-empty episode_id and model")
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    expiry = math.ceil((time.time() if now is None else now) + ttl_s)
+    payload = json.dumps({"e": episode_id, "m": model, "x": expiry}, separators=(",", ":"), sort_keys=True)
+    payload_b64 = _b64encode(payload.encode("utf-8"))
+    signed = f"{TOKEN_VERSION}.{payload_b64}"
+    return f"{signed}.{_signature(secret, signed)}"
+
+
+def verify_episode_token(secret: str, token: str, now: float | None = None) -> EpisodeClaims:
+    """The claims of a token this run's secret signed; ``Unauthorized`` (saying why) otherwise."""
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != TOKEN_VERSION or not parts[1] or not parts[2]:
+        raise Unauthorized(f"malformed episode token (expected {TOKEN_VERSION}.<payload>.<signature>)")
+    signed = f"{parts[0]}.{parts[1]}"
+    if not secret or not hmac.compare_digest(_signature(secret, signed).encode(), parts[2].encode()):
+        raise Unauthorized("episode token signature does not match (forged, or issued for another run)")
+    try:
+        payload = json.loads(_b64decode(parts[1]))
+        claims = EpisodeClaims(str(payload["e"]), str(payload["m"]), float(payload["x"]))
+    except (binascii.Error, ValueError, TypeError, KeyError) as exc:
+        raise Unauthorized("malformed episode token payload") from exc
+    if (time.time() if now is None else now) >= claims.expires_at:
+        raise Unauthorized(
+            f"episode token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(claims.expires_at))}"
+        )
+    return claims
+
+
+def bearer_token(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header value."""
+    if header is None or not header.strip():
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+    return token.strip()
+
+
+def is_run_secret(secret: str, presented: str) -> bool:
+    """Whether ``presented`` is the run secret, compared in constant time."""
+    if not secret:
+        return False
+    return hmac.compare_digest(secret.encode("utf-8"), presented.encode("utf-8"))
+
+
+def authorize_run_call(secret: str, header: str | None) -> None:
+    """Admit a call of the episode API or status: only the run secret may make one."""
+    token = bearer_token(header)
+    if is_run_secret(secret, token):
+        return
+    if token.startswith(f"{TOKEN_VERSION}."):
+        verify_episode_token(secret, token)  # 401 when forged or expired
+        raise Forbidden("an episode token may only call the model; the episode API needs the run secret")
+    raise Unauthorized("invalid API key: the episode API needs the run secret")
+
+
+def authorize_episode_call(
+    secret: str, header: str | None, episode_id: str | None, model: str
+) -> EpisodeClaims:
+    """Admit a chat/completions call for ``model`` (and ``episode_id`` when the request names one)."""
+    token = bearer_token(header)
+    if is_run_secret(secret, token):
+        raise Forbidden("model calls are recorded per episode: begin an episode and call with its token")
+    if not token.startswith(f"{TOKEN_VERSION}."):
+        raise Unauthorized("invalid API key: model calls need an episode token")
+    claims = verify_episode_token(secret, token)
+    if claims.model != model:
+        raise Forbidden(f"this episode token is for model {claims.model!r}, not {model!r}")
+    if episode_id is not None and episode_id != claims.episode_id:
+        raise Forbidden(f"this episode token is for episode {claims.episode_id!r}, not {episode_id!r}")
+    return claims
+
+
+_SECRET_PATTERNS = (
+    re.compile(rf"{TOKEN_VERSION}\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"),
+    re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{64,}(?![0-9A-Fa-f])"),
+)
+_BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/=-]+")  # RFC 6750 b64token
+
+
+def redact(text: str) -> str:
+    """``text`` with episode tokens, run secrets (64+ hex digits) and bearer values replaced by
+    ``[redacted]``, for log lines."""
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub("[redacted]", text)
+    return _BEARER.sub(r"\1[redacted]", text)

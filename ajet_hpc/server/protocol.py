@@ -1,0 +1,305 @@
+"""Wire schemas of the server: OpenAI's chat/completions (in OpenAI's field order) and the episode API.
+
+Our own schemas, nothing imported from vLLM. Fields OpenAI defines but this server ignores are accepted
+(and listed as such) so that stock clients work; unknown fields are accepted too, as OpenAI does.
+Extensions beyond OpenAI are marked "(ajet extension)".
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --------------------------------------------------------------------------------------------- requests
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments, as OpenAI sends it.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: plain string content, tool calls as dicts."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    frequency_penalty: float | None = None  # accepted, ignored
+    logprobs: bool = False
+    top_logprobs: int | None = None  # accepted, ignored (the sampled token's logprob is returned)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float | None = None  # accepted, ignored
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "auto" is what the model does; other values are accepted, not enforced
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Lenient):
+    model: str
+    prompt: str | list[int] = Field(description="Text, or token ids (fed to the engine as they are).")
+    logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+# -------------------------------------------------------------------------------------------- responses
+
+
+def _completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _completion_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    policy_version: int = Field(description="(ajet extension) policy version that produced the answer.")
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _completion_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ajet_hpc"
+    policy_version: int = Field(description="(ajet extension) current policy version.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ----------------------------------------------------------------------------------------- episode API
+
+
+class BeginEpisodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str | None = Field(default=None, description="Stable id of the task this episode runs.")
+    group: str | None = Field(default=None, description="Client group that runs it.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free JSON kept with the episode.")
+
+
+class BeginEpisodeResponse(BaseModel):
+    episode_id: str
+    base_url: str = Field(
+        description="OpenAI base_url for the agent; chat calls there belong to the episode."
+    )
+    api_key: str = Field(description="Episode token: the agent's api_key, valid for this episode only.")
+    model: str
+    policy_version: int
+    expires_at: float
+
+
+class EndEpisodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(allow_inf_nan=False)
+    task_id: str | None = None
+    turn_rewards: list[float] | None = Field(
+        default=None, description="One reward per model call of the episode, in call order."
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class AbortEpisodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = "aborted by client"
+
+
+class EpisodeSummary(BaseModel):
+    episode_id: str
+    state: Literal["open", "finished", "aborted", "dropped"]
+    task_id: str | None
+    group: str | None
+    reward: float | None
+    turn_rewards: list[float] | None
+    calls: int
+    policy_versions: list[int]
+    drift: int
+    reason: str | None = None
+    started_at: float
+    ended_at: float | None
+
+
+class ServerStatus(BaseModel):
+    server: str
+    model: str
+    engine: str
+    policy_version: int
+    episodes_open: int
+    episodes_finished: int
+    episodes_aborted: int
+    episodes_dropped: int
+    requests_in_flight: int
+    requests_served: int
+    dropped_recent: list[EpisodeSummary] = Field(description="Recently dropped episodes (their tasks rerun).")

@@ -1,0 +1,195 @@
+"""Routes of a server: OpenAI-compatible model calls, the episode API, health and status.
+
+Agents get ``base_url = <server>/episodes/<id>/v1`` and their episode token as ``api_key``; the same calls
+at ``<server>/v1/...`` take the episode from the token. Everything but ``/health`` needs a bearer token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import StreamingResponse
+
+from ajet_hpc.server import protocol as p
+from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
+from ajet_hpc.server.episodes import Episode
+from ajet_hpc.server.errors import BadRequest
+
+router = APIRouter()
+Auth = Header(default=None, alias="Authorization")
+
+
+def _ctx(request: Request):
+    return request.app.state.ctx
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, object]:
+    ctx = _ctx(request)
+    return {
+        "status": "ok",
+        "server": ctx.name,
+        "job_id": ctx.job_id,
+        "policy_version": ctx.engine.policy_version,
+    }
+
+
+@router.get("/v1/status")
+async def status(request: Request, authorization: str | None = Auth) -> p.ServerStatus:
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    counts = ctx.episodes.counts
+    return p.ServerStatus(
+        server=ctx.name,
+        model=ctx.name,
+        engine=ctx.engine.name,
+        policy_version=ctx.engine.policy_version,
+        episodes_open=ctx.episodes.open_count,
+        episodes_finished=counts["finished"],
+        episodes_aborted=counts["aborted"],
+        episodes_dropped=counts["dropped"],
+        requests_in_flight=ctx.service.in_flight,
+        requests_served=ctx.service.served,
+        dropped_recent=list(ctx.episodes.dropped_recent),
+    )
+
+
+@router.post("/v1/episodes")
+async def begin(request: Request, body: p.BeginEpisodeRequest, authorization: str | None = Auth):
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    episode = ctx.episodes.begin(body.task_id, body.group, body.metadata)
+    token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
+    base = ctx.public_url or str(request.base_url).rstrip("/")
+    return p.BeginEpisodeResponse(
+        episode_id=episode.episode_id,
+        base_url=f"{base}/episodes/{episode.episode_id}/v1",
+        api_key=token,
+        model=ctx.name,
+        policy_version=ctx.engine.policy_version,
+        expires_at=episode.started_at + ctx.settings.token_ttl_s,
+    )
+
+
+@router.get("/v1/episodes/{episode_id}")
+async def show(request: Request, episode_id: str, timelines: bool = False, authorization: str | None = Auth):
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    episode = ctx.episodes.lookup(episode_id)
+    out = episode.summary().model_dump()
+    if timelines:
+        out["timelines"] = [timeline.to_dict() for timeline in episode.timelines]
+    return out
+
+
+@router.post("/v1/episodes/{episode_id}/end")
+async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, authorization: str | None = Auth):
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    episode = ctx.episodes.end(episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata)
+    return episode.summary()
+
+
+@router.post("/v1/episodes/{episode_id}/abort")
+async def abort(
+    request: Request, episode_id: str, body: p.AbortEpisodeRequest, authorization: str | None = Auth
+):
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    return ctx.episodes.abort(episode_id, body.reason).summary()
+
+
+def _episode(request: Request, authorization: str | None, episode_id: str | None):
+    ctx = _ctx(request)
+    claims = authorize_episode_call(ctx.secret, authorization, episode_id, ctx.name)
+    return ctx, ctx.episodes.get_open(claims.episode_id)
+
+
+def _begin_call(episode: Episode) -> None:
+    episode.calls_in_flight += 1
+
+
+def _end_call(episode: Episode) -> None:
+    """A call is over: the episode's idle clock restarts from now."""
+    episode.calls_in_flight -= 1
+    episode.last_activity = time.monotonic()
+
+
+async def _chat(
+    request: Request, body: p.ChatCompletionRequest, authorization: str | None, episode_id: str | None
+):
+    ctx, episode = _episode(request, authorization, episode_id)
+    _begin_call(episode)
+    if not body.stream:
+        try:
+            return await ctx.service.chat(body, episode)
+        finally:
+            _end_call(episode)
+    try:
+        plan = await ctx.service.chat_plan(body, episode)  # errors before the stream starts are 4xx
+    except BaseException:
+        _end_call(episode)
+        raise
+    stream = ctx.service.chat_stream(body, episode, plan)
+    return StreamingResponse(_end_call_after(stream, episode), media_type="text/event-stream")
+
+
+async def _end_call_after(stream: AsyncIterator[str], episode: Episode) -> AsyncIterator[str]:
+    try:
+        async for event in stream:
+            yield event
+    finally:
+        _end_call(episode)
+
+
+async def _completion(request: Request, body: p.CompletionRequest, authorization: str | None, episode_id):
+    ctx, episode = _episode(request, authorization, episode_id)
+    if body.stream:
+        raise BadRequest(
+            "stream is not supported on /v1/completions; use /v1/chat/completions", param="stream"
+        )
+    _begin_call(episode)
+    try:
+        return await ctx.service.completion(body, episode)
+    finally:
+        _end_call(episode)
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request, body: p.ChatCompletionRequest, authorization: str | None = Auth):
+    return await _chat(request, body, authorization, None)
+
+
+@router.post("/episodes/{episode_id}/v1/chat/completions")
+async def episode_chat(
+    request: Request, episode_id: str, body: p.ChatCompletionRequest, authorization: str | None = Auth
+):
+    return await _chat(request, body, authorization, episode_id)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: p.CompletionRequest, authorization: str | None = Auth):
+    return await _completion(request, body, authorization, None)
+
+
+@router.post("/episodes/{episode_id}/v1/completions")
+async def episode_completions(
+    request: Request, episode_id: str, body: p.CompletionRequest, authorization: str | None = Auth
+):
+    return await _completion(request, body, authorization, episode_id)
+
+
+@router.get("/v1/models")
+@router.get("/episodes/{episode_id}/v1/models")
+async def models(
+    request: Request, episode_id: str | None = None, authorization: str | None = Auth
+) -> p.ModelList:
+    ctx = _ctx(request)
+    try:
+        authorize_run_call(ctx.secret, authorization)
+    except AuthError:
+        authorize_episode_call(ctx.secret, authorization, episode_id, ctx.name)
+    card = p.ModelCard(id=ctx.name, created=int(ctx.started_at), policy_version=ctx.engine.policy_version)
+    return p.ModelList(data=[card])

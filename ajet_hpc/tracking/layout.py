@@ -1,0 +1,165 @@
+"""Where each message of a conversation lies in the text its chat template renders.
+
+Generic over templates: nothing here knows a marker. Message boundaries come from rendering prefixes of
+the conversation — the end of ``render(messages[:k])`` is where message ``k`` starts — and the generation
+prompt is what ``add_generation_prompt=True`` appends. The template's preamble (tool list, default system
+prompt, BOS) is told apart from the first message by rendering that message once and twice: the second copy
+is the message without the preamble.
+
+Limits: a template whose prefix renderings are not prefixes of the full rendering (one that rewrites earlier
+turns depending on later ones, e.g. stripping reasoning before the last user turn) gets approximate
+boundaries there — the common prefix — and a ``template_not_incremental`` drift event. Renderings of
+prefixes are cached per tracker, keyed by the exact messages, so a call re-renders only its new turns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ajet_hpc.tracking.timeline import TEMPLATE_NOT_INCREMENTAL, DriftEvent
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+CACHE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A conversation rendered with its generation prompt, and where each message lies in that text."""
+
+    text: str
+    bounds: list[int]  # bounds[i]: start of message i; bounds[-1]: start of the generation prompt
+    drift: list[DriftEvent]
+
+    @property
+    def generation_prompt(self) -> str:
+        return self.text[self.bounds[-1] :]
+
+    def message_at(self, position: int) -> int:
+        """Index of the message whose rendering holds ``position``; ``len(messages)`` for the generation
+        prompt, 0 for the preamble."""
+        index = bisect.bisect_right(self.bounds, position) - 1
+        return min(max(index, 0), len(self.bounds) - 1)
+
+
+def exact_key(value: Any) -> str:
+    """A string equal for equal JSON values (what the template sees)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def chain_key(previous: str, item: str) -> str:
+    """A short digest of ``previous`` followed by ``item`` (keys of conversation prefixes)."""
+    return hashlib.blake2b(f"{previous}\x00{item}".encode(), digest_size=16).hexdigest()
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    low, high = 0, limit  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+class TemplateLayout:
+    """Renders conversations with a tokenizer's chat template and finds message boundaries."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._prefix_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash) of a prefix rendering
+        self._preamble_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash)
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        generation_prompt: bool,
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **template_kwargs,
+        )
+
+    def layout(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+    ) -> Layout:
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        text = self.render(messages, tools, template_kwargs, generation_prompt=True)
+        context = exact_key([tools, template_kwargs])
+        bounds = [self._first_message_start(messages[0], tools, template_kwargs, context, text)]
+        drift: list[DriftEvent] = []
+        key = context
+        for k in range(1, len(messages) + 1):
+            key = chain_key(key, exact_key(messages[k - 1]))
+            end, exact = self._prefix_end(key, messages[:k], tools, template_kwargs, text)
+            if not exact or end < bounds[-1]:
+                end = max(bounds[-1], end)
+                drift.append(
+                    DriftEvent(
+                        k - 1,
+                        TEMPLATE_NOT_INCREMENTAL,
+                        f"rendering messages[:{k}] is not a prefix of the full rendering; "
+                        "author boundaries near this message are approximate",
+                    )
+                )
+            bounds.append(end)
+        return Layout(text=text, bounds=bounds, drift=drift)
+
+    def _render_or_empty(self, messages, tools, template_kwargs) -> str:
+        try:
+            return self.render(messages, tools, template_kwargs, generation_prompt=False)
+        except Exception:  # a template may refuse a prefix (roles must alternate...)
+            return ""
+
+    def _prefix_end(self, key, messages, tools, template_kwargs, text: str) -> tuple[int, bool]:
+        """Where the rendering of ``messages`` (no generation prompt) ends in ``text``, and whether it is
+        exactly a prefix of ``text`` (else: the length of their common prefix). A cached length that no longer
+        fits (a template that renders today's date...) is rendered again."""
+        cached = self._prefix_cache.get(key)
+        if cached is not None and hash(text[: cached[0]]) == cached[1]:
+            return cached[0], True
+        rendered = self._render_or_empty(messages, tools, template_kwargs)
+        if rendered:
+            if len(self._prefix_cache) >= CACHE_LIMIT:
+                self._prefix_cache.clear()
+            self._prefix_cache[key] = (len(rendered), hash(rendered))
+        if rendered and text.startswith(rendered):
+            return len(rendered), True
+        return common_prefix_length(rendered, text), False
+
+    def _first_message_start(self, first, tools, template_kwargs, context: str, text: str) -> int:
+        """End of the template's preamble: rendering the first message twice shows the message alone."""
+        key = chain_key(context, exact_key(first))
+        cached = self._preamble_cache.get(key)
+        if cached is None:
+            start = 0
+            once = self._render_or_empty([first], tools, template_kwargs)
+            twice = self._render_or_empty([first, first], tools, template_kwargs)
+            alone = twice[len(once) :]
+            if once and alone and twice.startswith(once) and once.endswith(alone):
+                start = len(once) - len(alone)
+            cached = (start, hash(once[:start]))
+            if len(self._preamble_cache) >= CACHE_LIMIT:
+                self._preamble_cache.clear()
+            self._preamble_cache[key] = cached
+        start, digest = cached
+        return start if hash(text[:start]) == digest else 0

@@ -1,0 +1,88 @@
+"""Real servers for tests: one engine per harness, started once in its own event loop thread, behind
+any number of uvicorn apps (each with its own serving settings) on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from ajet_hpc.config import ServingConfig
+from ajet_hpc.engine.select import create_engine
+from ajet_hpc.server.app import ServerContext, create_app
+
+SECRET = "5e" * 32
+
+
+@dataclasses.dataclass
+class RunningServer:
+    url: str
+    ctx: ServerContext
+    server: uvicorn.Server
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {SECRET}"}
+
+    def begin(self, **body) -> dict:
+        reply = httpx.post(f"{self.url}/v1/episodes", json=body, headers=self.admin, timeout=30)
+        reply.raise_for_status()
+        return reply.json()
+
+    def end(self, episode_id: str, reward: float, **body) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/episodes/{episode_id}/end", json={"reward": reward, **body}, headers=self.admin
+        )
+
+    def episode(self, episode_id: str) -> dict:
+        reply = httpx.get(f"{self.url}/v1/episodes/{episode_id}?timelines=true", headers=self.admin)
+        reply.raise_for_status()
+        return reply.json()
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/v1/status", headers=self.admin).json()
+
+
+class Harness:
+    def __init__(self, kind: str, model_path: Path, max_model_len: int = 1024) -> None:
+        self.engine = create_engine(kind, model_path, max_model_len=max_model_len)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"harness-{kind}", daemon=True)
+        self.thread.start()
+        self.servers: list[RunningServer] = []
+        self._call(self.engine.start())
+
+    def _call(self, coroutine, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def serve(self, name: str = "policy", **settings) -> RunningServer:
+        base = {"max_model_len": self.engine.max_model_len, "max_tokens": 64}
+        ctx = ServerContext(
+            name=name, engine=self.engine, settings=ServingConfig(**{**base, **settings}), secret=SECRET
+        )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        ctx.public_url = url
+        config = uvicorn.Config(create_app(ctx, manage_engine=False), log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
+        while not server.started:
+            threading.Event().wait(0.02)
+        running = RunningServer(url, ctx, server)
+        self.servers.append(running)
+        return running
+
+    def close(self) -> None:
+        for running in self.servers:
+            running.server.should_exit = True
+        threading.Event().wait(0.5)
+        self._call(self.engine.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
