@@ -23,6 +23,7 @@ def topology_dict(run_dir: Path, *, array: int = 3, backend: str = "local", **cl
             {
                 "name": "policy",
                 "model": "builtin:tiny",
+                "engine": "transformers",  # loads in seconds; the vLLM engine has its own tests
                 "partition": "gpu",
                 "gpus_per_node": 0,
                 "cpus": 1,

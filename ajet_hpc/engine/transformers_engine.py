@@ -101,7 +101,12 @@ class TransformersEngine:
         offline_hub()
         started = time.monotonic()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
-        await asyncio.get_running_loop().run_in_executor(self._worker, self._load)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self._load)
+        except BaseException:
+            self._worker.shutdown(wait=False)
+            self._worker = None
+            raise
         log.info(
             "transformers engine: loaded %s on %s (%s) in %.1f s",
             self.model_path,

@@ -220,9 +220,9 @@ class VllmEngine:
                 await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
+                self.policy_version = version  # before any token of the new weights streams out
             finally:
                 await llm.resume_generation()
-            self.policy_version = version
             log.info(
                 "vllm engine: reloaded weights %s as policy version %d in %.3f s",
                 path,
