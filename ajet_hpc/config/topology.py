@@ -104,6 +104,29 @@ class TrainerConfig(BaseModel):
     max_staleness: int = Field(
         default=1, ge=0, description="Most policy versions a sample may lag behind the trained policy."
     )
+    batch_policy: Literal["tasks", "episodes"] = Field(
+        default="tasks",
+        description="When a batch is ready: 'tasks' = tasks_per_batch tasks each with `repeats` finished "
+        "episodes; 'episodes' = tasks_per_batch * repeats finished episodes of any tasks.",
+    )
+    skip_equal_groups: bool = Field(
+        default=True, description="Drop task groups whose rewards are all equal (their advantages are zero)."
+    )
+    clip_eps: float = Field(default=0.2, gt=0, le=1, description="PPO clip range below 1 (ratio >= 1 - eps).")
+    clip_eps_high: float = Field(
+        default=0.28, gt=0, le=10, description="PPO clip range above 1 (ratio <= 1 + eps_high)."
+    )
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the initial model (0: off).")
+    recompute_logprobs: bool = Field(
+        default=False,
+        description="Recompute the old log-probabilities with the trainer's model instead of the engine's.",
+    )
+    micro_batch_tokens: int = Field(
+        default=8192, ge=16, description="Token budget of one micro-batch (forward/backward) per rank."
+    )
+    turn_gamma: float = Field(
+        default=1.0, ge=0, le=1, description="Discount of later per-turn rewards in a turn's return."
+    )
     total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
     save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")
     seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")
