@@ -116,7 +116,9 @@ class TrainerConfig(BaseModel):
     clip_eps_high: float = Field(
         default=0.28, gt=0, le=10, description="PPO clip range above 1 (ratio <= 1 + eps_high)."
     )
-    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL penalty to the initial model (0: off).")
+    kl_coef: float = Field(
+        default=0.0, ge=0, description="Weight of the KL penalty to the initial model; 0 is off."
+    )
     recompute_logprobs: bool = Field(
         default=False,
         description="Recompute the old log-probabilities with the trainer's model instead of the engine's.",
