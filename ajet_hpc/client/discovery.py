@@ -18,6 +18,10 @@ class ServerUnavailable(TimeoutError):
     """The server did not become reachable within the allowed time."""
 
 
+class ServerFinished(RuntimeError):
+    """The server completed its training and serves no more episodes."""
+
+
 @dataclass(frozen=True)
 class FoundServer:
     rendezvous: rendezvous.Rendezvous
@@ -56,6 +60,8 @@ def wait_for_server(
     why = "no rendezvous file yet"
     while True:
         record = rendezvous.read(path)
+        if record is not None and record.state == "finished":
+            raise ServerFinished(f"server {name!r} has finished its training")
         if record is None:
             why = f"no rendezvous file yet ({path})"
         elif record.is_stale():

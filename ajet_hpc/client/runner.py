@@ -1,11 +1,24 @@
-"""One client array task: find the group's servers and run its share of the work."""
+"""One client array task: find the group's servers, then run its share of the tasks as episodes.
+
+Each episode: begin (one episode per server the group uses) → the agent, given base_url and episode token
+→ end with the reward (abort with the traceback when the agent raises). Up to ``in_flight`` episodes run
+at once, in threads (agents are plain blocking functions). When a server goes away mid-episode, the task
+waits for the server's rendezvous (it may come back on another node) and runs the episode again.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from ajet_hpc.client.discovery import wait_for_server
+from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
+from ajet_hpc.client.discovery import ServerFinished, wait_for_server
+from ajet_hpc.client.session import EpisodeAPI, EpisodeRejected, ServerAway, TrainingFinished
+from ajet_hpc.client.tasks import import_entry, open_source, shard
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
@@ -32,25 +45,168 @@ def resolve_index(explicit: int | None) -> int:
     return int(os.environ.get("SLURM_PROCID", "0"))
 
 
+def episode_repeats(topology: Topology, group: ClientGroupConfig) -> int:
+    if group.repeats is not None:
+        return group.repeats
+    trainer = topology.server(group.servers[0]).trainer
+    return trainer.repeats if trainer is not None else 1
+
+
+@dataclass
+class Tally:
+    finished: int = 0
+    aborted: int = 0
+    rewards: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class GroupTask:
+    """The episodes of one array task of a client group."""
+
+    def __init__(self, run: RunDir, group: ClientGroupConfig, index: int, repeats: int) -> None:
+        self.rundir, self.group, self.index, self.repeats = run, group, index, repeats
+        self.agent = import_entry(group.agent)
+        self.secret = run.read_secret()
+        self.apis: dict[str, EpisodeAPI] = {}
+        self.apis_lock = threading.Lock()
+        self.finished = threading.Event()  # a server's training is complete: start no new episode
+        self.tally = Tally()
+
+    def connect(self, name: str, known_url: str | None = None) -> EpisodeAPI:
+        """The episode API of server ``name``, waiting for it (again) when it is away."""
+        with self.apis_lock:
+            api = self.apis.get(name)
+            if api is not None and api.url != known_url:
+                return api
+            found = wait_for_server(self.rundir, name)
+            if api is not None:
+                api.close()
+                log.info("server %s is back at %s", name, found.url)
+            else:
+                log.info(
+                    "client %s[%d] reached server %s at %s (job %s on %s)",
+                    self.group.name,
+                    self.index,
+                    name,
+                    found.url,
+                    found.rendezvous.job_id,
+                    found.rendezvous.node,
+                )
+            self.apis[name] = EpisodeAPI(found.url, self.secret)
+            return self.apis[name]
+
+    def run(self) -> Tally:
+        try:
+            for name in self.group.servers:
+                self.connect(name)
+        except ServerFinished as exc:
+            log.info("nothing to do: %s", exc)
+            return self.tally
+        source = open_source(self.group.tasks, base_dir=self.rundir.root.parent)
+        tasks = shard(source, self.index, self.group.array, self.group.max_tasks)
+        slots = threading.BoundedSemaphore(self.group.in_flight)
+        with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
+            for task in tasks:
+                for repeat in range(self.repeats):
+                    slots.acquire()
+                    if self.finished.is_set():
+                        slots.release()
+                        break
+                    future = pool.submit(self.episode, task, repeat)
+                    future.add_done_callback(lambda _: slots.release())
+                if self.finished.is_set():
+                    break
+        return self.tally
+
+    def episode(self, task: Task, repeat: int) -> None:
+        """Run one episode to its end, again from the start each time a server goes away."""
+        while not self.finished.is_set():
+            try:
+                self._attempt(task, repeat)
+                return
+            except (TrainingFinished, ServerFinished) as exc:
+                log.info("stopping: %s", exc)
+                self.finished.set()
+            except ServerAway as exc:
+                log.warning(
+                    "task %s repeat %d: server away (%s); waiting to run it again", task.id, repeat, exc
+                )
+                for name, api in list(self.apis.items()):
+                    self.connect(name, known_url=api.url)
+            except Exception:
+                log.exception("task %s repeat %d failed", task.id, repeat)
+                return
+
+    def _attempt(self, task: Task, repeat: int) -> None:
+        meta = {"repeat": repeat, "client": self.index}
+        begun = {
+            name: self.connect(name).begin(task.id, self.group.name, meta) for name in self.group.servers
+        }
+        handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
+        try:
+            outcome = as_outcome(self.agent(EpisodeContext(task=task, models=handles, repeat=repeat)))
+        except Exception as exc:
+            if _is_connection_error(exc):
+                raise ServerAway(str(exc)) from exc
+            reason = "".join(traceback.format_exception(exc))
+            log.warning("agent failed on task %s repeat %d:\n%s", task.id, repeat, reason)
+            for name, b in begun.items():
+                self._abort_quietly(name, b["episode_id"], reason)
+            with self.tally.lock:
+                self.tally.aborted += 1
+            return
+        for name, b in begun.items():
+            try:
+                self.connect(name).end(
+                    b["episode_id"], outcome.reward, outcome.turn_rewards, outcome.metadata
+                )
+            except EpisodeRejected as exc:
+                log.warning("episode %s of task %s not accepted: %s", b["episode_id"], task.id, exc)
+                return
+        with self.tally.lock:
+            self.tally.finished += 1
+            self.tally.rewards.append(outcome.reward)
+
+    def _abort_quietly(self, server: str, episode_id: str, reason: str) -> None:
+        try:
+            self.connect(server).abort(episode_id, reason)
+        except (ServerAway, EpisodeRejected) as exc:
+            log.info("abort of %s not delivered: %s", episode_id, exc)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    """An agent's model call that failed because the server went away (openai / httpx)."""
+    import httpx
+    import openai
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, openai.APIConnectionError | httpx.TransportError):
+            return True
+        if isinstance(seen, openai.APIStatusError) and seen.status_code >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:
     setup_logging()
     run = RunDir.at(run_dir)
-    group = pick_group(run.load_topology(), group_name)
+    topology = run.load_topology()
+    group = pick_group(topology, group_name)
     index = resolve_index(index)
     if not 0 <= index < group.array:
         raise SystemExit(f"client index {index} is outside group {group.name!r} (array of {group.array})")
     job = environment.current()
     log.info("client %s[%d] (job %s) on node %s", group.name, index, job.job_id, job.node)
-    for server_name in group.servers:
-        found = wait_for_server(run, server_name)
-        log.info(
-            "client %s[%d] reached server %s at %s (job %s on %s): %s",
-            group.name,
-            index,
-            server_name,
-            found.url,
-            found.rendezvous.job_id,
-            found.rendezvous.node,
-            found.health,
-        )
+    tally = GroupTask(run, group, index, episode_repeats(topology, group)).run()
+    mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
+    log.info(
+        "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted",
+        group.name,
+        index,
+        tally.finished,
+        mean,
+        tally.aborted,
+    )
     return 0

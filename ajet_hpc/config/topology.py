@@ -184,7 +184,10 @@ class ServerConfig(BaseModel):
     )
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
     serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits, episode settings.")
-    trainer: TrainerConfig = Field(default=TrainerConfig(), description="Trainer settings of this model.")
+    trainer: TrainerConfig | None = Field(
+        default=TrainerConfig(),
+        description="Trainer settings of this model; null serves it without training.",
+    )
 
     @property
     def time_min(self) -> int:
@@ -206,6 +209,16 @@ class ClientGroupConfig(BaseModel):
     partition: Partition = Field(default="cpu", description="Slurm partition of the client array.")
     array: int = Field(default=1, ge=1, description="Number of array tasks.")
     in_flight: int = Field(default=1, ge=1, description="Episodes in flight per array task.")
+    max_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Use only the first max_tasks tasks of the source (split over the array); None: all.",
+    )
+    repeats: int | None = Field(
+        default=None,
+        ge=1,
+        description="Episodes per task; None: the first server's trainer.repeats (1 when it only serves).",
+    )
     env: EnvFile | None = Field(
         default=None, description="Environment spec file under envs/ the agent runs in, e.g. agent-basic.txt."
     )

@@ -7,12 +7,17 @@ until Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from pathlib import Path
+
+import psutil
 
 from ajet_hpc.launch.backends import Backend, LocalBackend
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer.metrics import read_rows
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,11 @@ def supervise(run: RunDir, backend: Backend, submitted: list[SubmittedJob], poll
     clients = [h for job in submitted if job.name.startswith("clients-") for h in handles.get(job.name, [])]
     print(f"supervising {len(servers)} server(s) and {len(clients)} client task(s); Ctrl-C stops the run")
     reported = -1
+    progress = MetricsTail(run.root / "metrics.jsonl")
     try:
         while True:
+            for row in progress.new_rows():
+                print(format_row(row), flush=True)
             finished = sum(1 for h in clients if h.done())
             if finished != reported:
                 print(f"  clients finished: {finished}/{len(clients)}", flush=True)
@@ -44,21 +52,75 @@ def supervise(run: RunDir, backend: Backend, submitted: list[SubmittedJob], poll
     if failed:
         print(f"some jobs failed ({', '.join(failed)}); see python -m ajet_hpc.logs {run.root}")
         return 1
+    table = reward_table(read_rows(run.root / "metrics.jsonl"))
+    if table:
+        print(table)
     print(f"run finished; everything is in {run.root}")
     return 0
 
 
-def _stop(handles: list, grace_s: float = 20.0) -> None:
+class MetricsTail:
+    """The metrics rows appended since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.seen = path, 0
+
+    def new_rows(self) -> list[dict]:
+        rows = read_rows(self.path)
+        fresh, self.seen = rows[self.seen :], len(rows)
+        return fresh
+
+
+def format_row(row: dict) -> str:
+    return (
+        f"  [{row.get('model')}] step {row.get('step'):>4}  reward {row.get('reward_mean', 0):.3f}"
+        f" ± {row.get('reward_std', 0):.3f}  loss {row.get('loss') or 0:+.4f}"
+        f"  {row.get('step_time_s', 0):.1f}s"
+    )
+
+
+def reward_table(rows: list[dict]) -> str:
+    """Reward per step, one line each, with a bar: the curve a run drew."""
+    if not rows:
+        return ""
+    lines = ["", "model       step  reward_mean  reward_std", "-" * 60]
+    for row in rows:
+        mean = row.get("reward_mean") or 0.0
+        bar = "#" * round(max(0.0, min(1.0, mean)) * 30)
+        lines.append(
+            f"{row.get('model', ''):<10} {row['step']:>5}  {mean:11.3f}  {row.get('reward_std', 0):10.3f}"
+            f"  {bar}"
+        )
+    return "\n".join(lines)
+
+
+def _stop(handles: list, grace_s: float = 45.0) -> None:
+    """SIGTERM each job (its controller forwards it to the task), then kill what is left, children too."""
     for handle in handles:
         if not handle.done():
-            handle._process.terminate()  # the submitit controller forwards SIGTERM to its task
+            handle._process.terminate()
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and not all(h.done() for h in handles):
         time.sleep(0.2)
     for handle in handles:
         if not handle.done():
-            log.warning("job %s did not stop within %.0fs: killing it", handle.job_id, grace_s)
-            handle._process.kill()
+            log.warning(
+                "job %s did not stop within %.0fs: killing it and its children", handle.job_id, grace_s
+            )
+            kill_tree(handle._process.pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (a job's task, its engine and trainer processes)."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(family, timeout=10)
 
 
 def _exit_failed(handle) -> bool:

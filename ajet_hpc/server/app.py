@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -29,14 +30,36 @@ class ServerContext:
     job_id: str = "local"
     public_url: str = ""  # how agents reach this server; set once the port is known
     started_at: float = field(default_factory=time.time)
+    coordinator: Any = None  # ajet_hpc.trainer.coordinator.Coordinator when the model trains
+    on_finished: Callable[[], None] | None = None  # called once training is complete
+    training_done: bool = False
     service: Service = field(init=False)
     episodes: EpisodeRegistry = field(init=False)
+    admission: asyncio.Event = field(init=False)  # cleared while a strictly on-policy step runs
 
     def __post_init__(self) -> None:
         self.service = Service(self.engine, self.settings, self.name)
         self.episodes = EpisodeRegistry(
             self.name, lambda: self.engine.tokenizer, self.settings.episode_timeout_s
         )
+        self.admission = asyncio.Event()
+        self.admission.set()
+
+    @property
+    def state(self) -> str:
+        """serving (no trainer), training, or finished (training complete: no new episodes)."""
+        if self.training_done:
+            return "finished"
+        return "training" if self.coordinator is not None else "serving"
+
+    def attach_trainer(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+        self.episodes.on_closed(coordinator.collector.add)
+
+    def finish_training(self) -> None:
+        self.training_done = True
+        if self.on_finished is not None:
+            self.on_finished()
 
 
 def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
@@ -46,11 +69,16 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             await ctx.engine.start()
-        sweeper = asyncio.create_task(ctx.episodes.run_sweeper())
+        tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
+        if ctx.coordinator is not None:
+            tasks.append(asyncio.create_task(ctx.coordinator.run(), name="coordinator"))
         try:
             yield
         finally:
-            sweeper.cancel()
+            for task in tasks:
+                task.cancel()
+            if ctx.coordinator is not None:
+                ctx.coordinator.close()
             if manage_engine:
                 await ctx.engine.stop()
 

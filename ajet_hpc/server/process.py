@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +70,28 @@ class _Server(uvicorn.Server):
 
 
 class _Heartbeat(threading.Thread):
-    """Publishes the rendezvous once uvicorn accepts connections, then refreshes it."""
+    """Publishes the rendezvous once uvicorn accepts connections, then refreshes it with the server's state
+    and policy version."""
 
-    def __init__(self, path, record: rendezvous.Rendezvous, server: uvicorn.Server) -> None:
+    def __init__(
+        self, path, record: rendezvous.Rendezvous, server: uvicorn.Server, ctx: ServerContext
+    ) -> None:
         super().__init__(name="rendezvous-heartbeat", daemon=True)
-        self.path, self.record, self.server = path, record, server
+        self.path, self.record, self.server, self.ctx = path, record, server, ctx
         self.stopped = threading.Event()
         self.published = False
+
+    def beat(self) -> None:
+        current = dataclasses.replace(
+            self.record, state=self.ctx.state, policy_version=self.ctx.engine.policy_version
+        )
+        self.record = rendezvous.publish(self.path, current)
 
     def run(self) -> None:
         while not self.server.started and not self.stopped.is_set():
             time.sleep(0.05)
         while not self.stopped.is_set():
-            self.record = rendezvous.publish(self.path, self.record)
+            self.beat()
             if not self.published:
                 self.published = True
                 log.info("ready at %s (rendezvous %s)", self.record.url, self.path)
@@ -89,6 +100,19 @@ class _Heartbeat(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join(timeout=5)
+
+
+def _stop_when_idle(ctx: ServerContext, server: uvicorn.Server, grace_s: float = 60.0) -> None:
+    """Once training is complete: let open episodes end (at most ``grace_s``), then stop serving."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + grace_s
+        while ctx.episodes.open_count and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log.info("training complete; stopping the server")
+        server.should_exit = True
+
+    threading.Thread(target=wait, name="stop-when-idle", daemon=True).start()
 
 
 def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
@@ -112,6 +136,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         job_id=job.job_id,
         public_url=f"http://{host}:{port}",
     )
+    if config.trainer is not None:
+        ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm))
     server = _Server(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,
@@ -123,13 +149,17 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         node=job.node,
         started_at=ctx.started_at,
     )
-    heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server)
+    heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
+    ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
     heartbeat.start()
     try:
         server.run(sockets=[sock])
     finally:
         heartbeat.stop()
-        if rendezvous.withdraw(run.rendezvous_file(config.name), heartbeat.record):
+        if ctx.training_done:  # left in place, state "finished": clients stop instead of waiting
+            heartbeat.beat()
+            log.info("server %s finished its training", config.name)
+        elif rendezvous.withdraw(run.rendezvous_file(config.name), heartbeat.record):
             log.info("rendezvous withdrawn; server %s stopped", config.name)
         sock.close()
     return 0

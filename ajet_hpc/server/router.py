@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from ajet_hpc.server import protocol as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
 from ajet_hpc.server.episodes import Episode
-from ajet_hpc.server.errors import BadRequest
+from ajet_hpc.server.errors import BadRequest, Conflict
 
 router = APIRouter()
 Auth = Header(default=None, alias="Authorization")
@@ -32,6 +32,7 @@ async def health(request: Request) -> dict[str, object]:
         "status": "ok",
         "server": ctx.name,
         "job_id": ctx.job_id,
+        "state": ctx.state,
         "policy_version": ctx.engine.policy_version,
     }
 
@@ -60,6 +61,9 @@ async def status(request: Request, authorization: str | None = Auth) -> p.Server
 async def begin(request: Request, body: p.BeginEpisodeRequest, authorization: str | None = Auth):
     ctx = _ctx(request)
     authorize_run_call(ctx.secret, authorization)
+    await ctx.admission.wait()  # a strictly on-policy trainer is stepping
+    if ctx.training_done:
+        raise Conflict(f"training of {ctx.name} is finished: no new episodes", code="training_finished")
     episode = ctx.episodes.begin(body.task_id, body.group, body.metadata)
     token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
     base = ctx.public_url or str(request.base_url).rstrip("/")

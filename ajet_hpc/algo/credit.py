@@ -1,0 +1,78 @@
+"""Per-turn credit: turn rewards -> turn returns -> advantages normalised in the task group -> tokens.
+
+An episode has turns (one model call each, today) and a final reward; a turn may also receive its own
+reward. Each turn's return is its discounted reward-to-go plus the final reward; returns are standardised
+within the task group, every episode counting once; each sample's trainable tokens get its turn's
+advantage. Without per-turn rewards this is exactly :func:`ajet_hpc.algo.grpo.group_advantages` of the
+episodes' final rewards. See ``docs/grpo.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ajet_hpc.algo.grpo import normalise_in_groups
+
+
+def turn_returns(turn_rewards: Sequence[float], final_reward: float, gamma: float) -> list[float]:
+    """``G_t = final_reward + Σ_{k >= t} gamma^(k - t) * r_k`` for each turn t.
+
+    The final reward is not discounted: every turn shares the outcome fully, so with no per-turn rewards
+    all turns of an episode get the episode reward. ``gamma`` (0..1) discounts later per-turn rewards only.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    returns = [0.0] * len(turn_rewards)
+    to_go = 0.0
+    for t in reversed(range(len(turn_rewards))):
+        to_go = turn_rewards[t] + gamma * to_go
+        returns[t] = final_reward + to_go
+    return returns
+
+
+def group_turn_advantages(returns: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
+    """Standardise the turn returns of one task group: ``(G - mean) / (std + eps)`` over all its turns.
+
+    ``returns[e][t]`` is the return of turn t of episode e. Mean and population std weight each turn by
+    ``1 / (turns of its episode)``, so every episode counts once however many turns it took. A group whose
+    returns are all equal (one episode with one turn included) gets zeros; a group of one episode gets zeros
+    too, as a group of one does in :func:`ajet_hpc.algo.grpo.group_advantages`.
+    """
+    for e, turns in enumerate(returns):
+        if not turns:
+            raise ValueError(f"episode {e} has no turns: drop it from the group or give it one")
+    if len(returns) < 2:
+        return [[0.0] * len(turns) for turns in returns]
+    values = torch.tensor([g for turns in returns for g in turns], dtype=torch.float64)
+    weights = torch.tensor([1.0 / len(turns) for turns in returns for _ in turns], dtype=torch.float64)
+    flat = normalise_in_groups(values, torch.zeros(len(values), dtype=torch.long), weights=weights, eps=eps)
+    out, start = [], 0
+    for turns in returns:
+        out.append(flat[start : start + len(turns)].tolist())
+        start += len(turns)
+    return out
+
+
+def episode_token_advantages(
+    returns: Sequence[Sequence[float]],
+    sample_turns: Sequence[tuple[int, int]],
+    loss_masks: Sequence[Sequence[int]],
+    eps: float = 1e-6,
+) -> list[list[float]]:
+    """Per-token advantages of a task group's samples: each sample's turn advantage on its trainable tokens.
+
+    ``returns[e][t]``: return of turn t of episode e (from :func:`turn_returns`); ``sample_turns[i]``:
+    ``(episode, turn)`` of sample i; ``loss_masks[i]``: its loss mask. Returns, per sample, one advantage per
+    token, 0.0 where the loss mask is 0 (ready for :class:`ajet_hpc.algo.samples.Sample.advantages`).
+    """
+    if len(sample_turns) != len(loss_masks):
+        raise ValueError(f"{len(sample_turns)} sample_turns but {len(loss_masks)} loss_masks: one per sample")
+    advantages = group_turn_advantages(returns, eps=eps)
+    out = []
+    for i, ((e, t), mask) in enumerate(zip(sample_turns, loss_masks, strict=True)):
+        if not (0 <= e < len(returns) and 0 <= t < len(returns[e])):
+            raise ValueError(f"sample {i} points to episode {e} turn {t}, which the returns do not have")
+        out.append([advantages[e][t] if m else 0.0 for m in mask])
+    return out

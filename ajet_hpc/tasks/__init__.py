@@ -1,0 +1,1 @@
+"""Built-in task sources (``tasks: builtin:<name>``): generated locally, nothing to download."""

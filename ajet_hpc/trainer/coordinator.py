@@ -1,0 +1,178 @@
+"""The training loop of a server, in the process that holds the HTTP front and the engine.
+
+finished episodes → collector → batch → samples with GRPO advantages → trainer ranks (DeepSpeed, separate
+processes, file protocol in RUN/ckpt/<model>/) → new weights → engine reload → policy version + 1 →
+metrics row. Checkpoints every ``save_every`` steps and at the last step. On start it resumes from the
+ranks' last complete checkpoint: the engine gets that step's weights and the policy version continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ajet_hpc.config import ServerConfig, TrainerConfig
+from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.collector import Batch, BatchCollector, build_samples, reward_stats
+from ajet_hpc.trainer.launch import start_ranks
+from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, ctx, server: ServerConfig, model_path: Path, run_root: Path, on_slurm: bool) -> None:
+        if server.trainer is None:
+            raise ValueError(f"server {server.name} has no trainer")
+        self.ctx, self.server, self.config = ctx, server, server.trainer
+        self.model_path, self.on_slurm = model_path, on_slurm
+        self.work_dir = run_root / "ckpt" / server.name
+        self.metrics_path = run_root / "metrics.jsonl"
+        self.collector = BatchCollector(server.trainer)
+        self.process: subprocess.Popen | None = None
+        self.step = 0
+
+    @property
+    def trainer(self) -> TrainerConfig:
+        return self.config
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("training stopped by an error; the server keeps serving without training")
+            raise
+        finally:
+            self.close()
+
+    async def _run(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.work_dir / "ranks.log"
+        self.process = start_ranks(
+            self.work_dir,
+            self.model_path,
+            self.config,
+            on_slurm=self.on_slurm,
+            nodes=self.server.nodes,
+            log_path=log_path,
+        )
+        channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
+        ready = await channel.wait_ready(timeout_s=900)
+        self.step = int(ready.get("step", 0))
+        if self.step:
+            await self._resume(ready)
+        dropped = metrics.truncate_after(self.metrics_path, self.server.name, self.step)
+        if dropped:
+            log.info(
+                "removed %d metrics rows past the checkpoint at step %d (they run again)", dropped, self.step
+            )
+        total = self.config.total_steps
+        bar = tqdm(
+            total=total, initial=self.step, desc=f"train {self.server.name}", file=sys.stderr, mininterval=1
+        )
+        while self.step < total:
+            batch = await self.collector.next_batch()
+            await self._train_step(channel, batch)
+            bar.update(1)
+        bar.close()
+        channel.request_stop()
+        log.info("training of %s finished at step %d", self.server.name, self.step)
+        self.ctx.finish_training()
+
+    async def _resume(self, ready: dict) -> None:
+        weights = ready.get("weights_dir")
+        if not weights or not Path(weights).is_dir():
+            raise TrainerFailed(
+                f"the ranks resumed at step {self.step} but exported no weights ({weights!r})"
+            )
+        started = time.monotonic()
+        await self.ctx.engine.load_weights(Path(weights), self.step)
+        self.collector.set_policy_version(self.step)
+        log.info(
+            "resumed %s at step %d (weights reloaded in %.2fs)",
+            self.server.name,
+            self.step,
+            time.monotonic() - started,
+        )
+
+    async def _train_step(self, channel: TrainerChannel, batch: Batch) -> None:
+        started = time.monotonic()
+        step = self.step + 1
+        samples = build_samples(batch, self.config.turn_gamma)
+        save = step % self.config.save_every == 0 or step == self.config.total_steps
+        on_policy = self.config.max_staleness == 0
+        if on_policy:
+            self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
+        try:
+            channel.submit(step, samples, save_checkpoint=save)
+            result = await channel.wait_result(step)
+            trained = time.monotonic()
+            await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
+            sync_s = time.monotonic() - trained
+        finally:
+            self.ctx.admission.set()
+        self.step = step
+        self.collector.set_policy_version(step)
+        self._record(batch, samples, result, time.monotonic() - started, sync_s)
+
+    def _record(self, batch: Batch, samples, result: dict, step_s: float, sync_s: float) -> None:
+        mean, std = reward_stats(batch)
+        lag = [self.step - 1 - sample.policy_version for sample in samples]
+        row = {
+            "step": self.step,
+            "model": self.server.name,
+            "reward_mean": mean,
+            "reward_std": std,
+            **{key: result.get(key) for key in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens")},
+            "samples": len(samples),
+            "episodes": len(batch.episodes),
+            "step_time_s": round(step_s, 4),
+            "train_time_s": result.get("step_time_s"),
+            "weight_sync_s": round(sync_s, 4),
+            "policy_version": self.step,
+            "staleness": statistics.fmean(lag) if lag else 0.0,
+            "skipped_equal_groups": batch.skipped_equal,
+            "dropped_stale": batch.dropped_stale,
+            "time": time.time(),
+        }
+        metrics.append_row(self.metrics_path, row)
+        log.info(
+            "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  step %.2fs  weight sync %.0f ms",
+            self.step,
+            self.config.total_steps,
+            mean,
+            std,
+            result.get("loss") or 0.0,
+            _fmt(result.get("entropy")),
+            result.get("tokens"),
+            step_s,
+            sync_s * 1000,
+        )
+
+    def close(self) -> None:
+        """Stop the ranks: ask (they exit at their next wait for a batch), then SIGTERM, then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        TrainerChannel(self.work_dir).request_stop()
+        for action, wait_s in ((None, 10), (self.process.terminate, 10), (self.process.kill, 10)):
+            if action is not None:
+                log.warning("trainer ranks still running: %s", action.__name__)
+                action()
+            try:
+                self.process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,105 @@
+"""Who this rank is (torchrun or srun), the process group, and how the batch is split over the ranks."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """The ranks' layout as torch.distributed's env:// rendezvous reads it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    def export(self, environ: dict[str, str]) -> None:
+        """Write the variables env:// reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+        environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """Expand a Slurm node list (``g[1-3],c1``) with ``scontrol show hostnames``."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()
+
+
+def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = slurm_hostnames) -> RankEnv:
+    """The rank's layout: torchrun's variables when RANK is set, else srun's (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID) with MASTER_ADDR from the first node of the step's (or job's) node list, unless
+    MASTER_ADDR is set. MASTER_PORT must be set under srun (the launcher sets it)."""
+    if "RANK" in environ:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        missing = [k for k in keys if k not in environ]
+        if missing:
+            raise RuntimeError(f"RANK is set but not {', '.join(missing)}: start the ranks with torchrun")
+        return RankEnv(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ["LOCAL_RANK"]),
+            master_addr=environ["MASTER_ADDR"],
+            master_port=int(environ["MASTER_PORT"]),
+        )
+    if "SLURM_PROCID" in environ:
+        if "MASTER_PORT" not in environ:
+            raise RuntimeError("under srun the launcher must set MASTER_PORT (see ajet_hpc.trainer.launch)")
+        addr = environ.get("MASTER_ADDR")
+        if not addr:
+            nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+            if not nodelist:
+                raise RuntimeError("under srun neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set")
+            addr = hostnames(nodelist)[0]
+        return RankEnv(
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=int(environ["SLURM_NTASKS"]),
+            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            master_addr=addr,
+            master_port=int(environ["MASTER_PORT"]),
+        )
+    raise RuntimeError("neither RANK (torchrun) nor SLURM_PROCID (srun) is set: use ajet_hpc.trainer.launch")
+
+
+def init_process_group(env: RankEnv, on_gpu: bool) -> None:
+    """NCCL on GPUs (one per local rank), gloo on the CPU; DeepSpeed's comm wraps the same group."""
+    import deepspeed
+    import torch
+
+    env.export(os.environ)
+    if on_gpu:
+        torch.cuda.set_device(env.local_rank)
+    backend = "nccl" if on_gpu else "gloo"
+    # Ranks wait for batches in short collective polls (see worker), so no call waits long.
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
+    log.info("process group up: %s, rank %d of %d", backend, env.rank, env.world_size)
+
+
+def shard_by_tokens(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Split sample indices over ranks with balanced token counts: longest first, each to the rank with the
+    fewest tokens so far (lowest rank on ties). Deterministic; indices ascending within a shard; a rank may
+    get none when there are fewer samples than ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        shards[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shards]

@@ -1,0 +1,330 @@
+"""The file protocol between the coordinator (HTTP front + engine) and the trainer's ranks.
+
+Everything lives in one work dir on shared storage (``RUN/ckpt/<model>/``); every file is written to a
+temporary name and renamed, so a reader sees a whole file or none:
+
+``inbox/step-000001.pt``
+    A batch, written by the coordinator: ``torch.save({"step": int, "samples": [asdict(Sample), ...],
+    "save_checkpoint": bool})``. Rank 0 deletes it once the step's result is written.
+``outbox/step-000001.json``
+    The result, written by rank 0 after the optimizer step and the weight export: ``{"step", "loss", "kl",
+    "entropy", "clip_frac", "grad_norm", "tokens", "samples", "step_time_s", "export_time_s",
+    "weights_dir"}``; or ``{"step", "error"}`` when the step failed (the ranks then exit).
+``weights/step-000001/``
+    The full model as ``save_pretrained`` writes it, plus the initial model's tokenizer files: what the
+    engine reloads. The last :data:`KEEP_WEIGHTS` folders are kept.
+``ds/step-000001/``, ``ds/latest``, ``ds/trainer_state.json``
+    DeepSpeed checkpoints (``engine.save_checkpoint(ds, tag="step-000001")``) and, written after the
+    checkpoint is complete, the trainer state naming the last complete one. Only the tag named in
+    ``trainer_state.json`` is trusted (DeepSpeed's ``latest`` may name a half-written one).
+``ready.json``
+    Written by rank 0 once the ranks are up: ``{"step": the last trained step (0 when fresh), ...}``; the
+    next batch to submit is ``step + 1``.
+``stop``
+    Created by the coordinator: the ranks exit at their next wait for a batch.
+
+Steps are 1, 2, 3, ... with no gaps: after resuming at step ``n`` the ranks wait for ``n + 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.storage.atomic import read_json, write_bytes_atomic, write_json_atomic
+
+KEEP_WEIGHTS = 2
+"""Weight folders kept under ``weights/`` (the newest ones)."""
+KEEP_CHECKPOINTS = 2
+"""DeepSpeed checkpoint tags kept under ``ds/`` (the newest ones; the trusted one always)."""
+
+RESULT_KEYS = (
+    "step",
+    "loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "grad_norm",
+    "tokens",
+    "samples",
+    "step_time_s",
+    "export_time_s",
+    "weights_dir",
+)
+
+
+class TrainerFailed(RuntimeError):
+    """A step failed on a rank, or the trainer's processes are gone."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a ``step-000001`` name (with or without a suffix); None for other names."""
+    stem = name.split(".", 1)[0]
+    if not stem.startswith("step-") or not stem[5:].isdigit():
+        return None
+    return int(stem[5:])
+
+
+@dataclass(frozen=True)
+class WorkDir:
+    """The paths of a trainer work dir (see the module doc)."""
+
+    root: Path
+
+    @property
+    def inbox(self) -> Path:
+        return self.root / "inbox"
+
+    @property
+    def outbox(self) -> Path:
+        return self.root / "outbox"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def ds(self) -> Path:
+        return self.root / "ds"
+
+    @property
+    def trainer_state(self) -> Path:
+        return self.ds / "trainer_state.json"
+
+    @property
+    def ready(self) -> Path:
+        return self.root / "ready.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop"
+
+    def batch_file(self, step: int) -> Path:
+        return self.inbox / f"{step_name(step)}.pt"
+
+    def result_file(self, step: int) -> Path:
+        return self.outbox / f"{step_name(step)}.json"
+
+    def weights_dir(self, step: int) -> Path:
+        return self.weights / step_name(step)
+
+    def pending_steps(self) -> list[int]:
+        """Steps with a batch in the inbox, ascending."""
+        if not self.inbox.is_dir():
+            return []
+        steps = (step_of(p.name) for p in self.inbox.glob("step-*.pt"))
+        return sorted(s for s in steps if s is not None)
+
+
+# ---- batches -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's input as the ranks read it."""
+
+    step: int
+    samples: list[Sample]
+    save_checkpoint: bool
+
+
+def write_batch(work: WorkDir, step: int, samples: list[Sample], save_checkpoint: bool) -> Path:
+    if step < 1:
+        raise ValueError(f"steps start at 1, got {step}")
+    if not samples:
+        raise ValueError(f"step {step}: a batch needs at least one sample")
+    payload = {
+        "step": step,
+        "samples": [dataclasses.asdict(s) for s in samples],
+        "save_checkpoint": bool(save_checkpoint),
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    path = work.batch_file(step)
+    write_bytes_atomic(path, buffer.getvalue())
+    return path
+
+
+def read_batch(path: Path) -> Batch:
+    payload = torch.load(path, weights_only=True)
+    return Batch(
+        step=int(payload["step"]),
+        samples=[Sample(**s) for s in payload["samples"]],
+        save_checkpoint=bool(payload["save_checkpoint"]),
+    )
+
+
+# ---- results -------------------------------------------------------------------------------------------
+
+
+def write_result(work: WorkDir, step: int, result: dict[str, Any]) -> None:
+    write_json_atomic(work.result_file(step), {**result, "step": step})
+
+
+def write_error(work: WorkDir, step: int, error: str) -> None:
+    """Report a failed step, unless a result (or another rank's error) is already there."""
+    if not work.result_file(step).exists():
+        write_json_atomic(work.result_file(step), {"step": step, "error": error})
+
+
+def read_result(work: WorkDir, step: int) -> dict[str, Any] | None:
+    return read_json(work.result_file(step))
+
+
+# ---- weights -------------------------------------------------------------------------------------------
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_WRITTEN_BY_SAVE_PRETRAINED = ("config.json", "generation_config.json")
+
+
+def copy_model_extras(model_dir: Path, dest: Path) -> None:
+    """Copy the model folder's files that are not weights nor written by ``save_pretrained`` (tokenizer,
+    chat template, ...) from ``model_dir`` to ``dest``."""
+    for path in sorted(Path(model_dir).iterdir()):
+        if not path.is_file() or path.name in _WRITTEN_BY_SAVE_PRETRAINED:
+            continue
+        if path.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        shutil.copy2(path, dest / path.name)
+
+
+def publish_weights(work: WorkDir, step: int, staged: Path) -> Path:
+    """Rename the finished folder ``staged`` to ``weights/step-N`` (replacing one from an abandoned run)
+    and drop all but the newest :data:`KEEP_WEIGHTS` folders."""
+    final = work.weights_dir(step)
+    if final.exists():
+        shutil.rmtree(final)
+    staged.rename(final)
+    _prune(work.weights, KEEP_WEIGHTS)
+    return final
+
+
+def staging_dir(work: WorkDir, step: int) -> Path:
+    """A fresh folder next to ``weights/step-N`` to write it in (hidden, so pruning never sees it)."""
+    path = work.weights / f".{step_name(step)}.tmp"
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def _prune(folder: Path, keep: int, protect: str | None = None) -> None:
+    steps = sorted((s, p) for p in folder.iterdir() if p.is_dir() and (s := step_of(p.name)) is not None)
+    for _, path in steps[:-keep] if keep else steps:
+        if path.name != protect:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What ``ds/trainer_state.json`` holds: the last complete checkpoint."""
+
+    step: int
+    tag: str
+    world_size: int
+    zero_stage: int
+    rng_files: list[str]  # per rank, relative to ds/<tag>/
+
+
+def read_trainer_state(work: WorkDir) -> TrainerState | None:
+    payload = read_json(work.trainer_state)
+    if payload is None:
+        return None
+    return TrainerState(**payload)
+
+
+def commit_checkpoint(work: WorkDir, state: TrainerState) -> None:
+    """Name ``state.tag`` the trusted checkpoint, then drop older tags (all but :data:`KEEP_CHECKPOINTS`)."""
+    write_json_atomic(work.trainer_state, dataclasses.asdict(state))
+    _prune(work.ds, KEEP_CHECKPOINTS, protect=state.tag)
+
+
+# ---- the coordinator's side ----------------------------------------------------------------------------
+
+
+class TrainerChannel:
+    """The coordinator's handle on the ranks: submit batches, await results, stop them.
+
+    ``alive`` answers whether the rank processes still run (e.g. ``lambda: proc.poll() is None``); without
+    it a dead trainer is noticed only by ``timeout_s``. ``log_path`` (the ranks' log) is quoted in errors.
+    """
+
+    def __init__(
+        self,
+        work_dir: Path,
+        *,
+        alive: Callable[[], bool] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.work = WorkDir(Path(work_dir))
+        self._alive = alive
+        self._log_path = log_path
+
+    def submit(self, step: int, samples: list[Sample], save_checkpoint: bool = False) -> Path:
+        """Hand step ``step``'s batch to the ranks (removing a stale result of an abandoned run first)."""
+        self.work.result_file(step).unlink(missing_ok=True)
+        return write_batch(self.work, step, samples, save_checkpoint)
+
+    async def wait_result(self, step: int, poll_s: float = 0.05, timeout_s: float | None = None) -> dict:
+        """The result of step ``step``; ``TrainerFailed`` if the step failed or the ranks are gone,
+        ``TimeoutError`` after ``timeout_s``."""
+        return await self._wait(lambda: read_result(self.work, step), f"step {step}", poll_s, timeout_s)
+
+    async def wait_ready(self, poll_s: float = 0.1, timeout_s: float | None = None) -> dict:
+        """Rank 0's ready record once the ranks are up: ``{"step": last trained step, ...}``."""
+        return await self._wait(lambda: read_json(self.work.ready), "the ranks to start", poll_s, timeout_s)
+
+    def request_stop(self) -> None:
+        """Ask the ranks to exit (at their next wait for a batch)."""
+        self.work.root.mkdir(parents=True, exist_ok=True)
+        self.work.stop.touch()
+
+    def last_checkpoint_step(self) -> int | None:
+        """The step of the last complete checkpoint, None when there is none."""
+        state = read_trainer_state(self.work)
+        return None if state is None else state.step
+
+    async def _wait(
+        self, read: Callable[[], dict | None], what: str, poll_s: float, timeout_s: float | None
+    ) -> dict:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            found = read()
+            if found is None and self._alive is not None and not self._alive():
+                found = read()  # it may have been written just before the exit
+                if found is None:
+                    raise TrainerFailed(
+                        f"the trainer's processes exited while waiting for {what}" + self._tail()
+                    )
+            if found is not None:
+                if "error" in found:
+                    raise TrainerFailed(f"{what} failed: {found['error']}" + self._tail())
+                return found
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no answer from the trainer for {what} within {timeout_s} s" + self._tail()
+                )
+            await asyncio.sleep(poll_s)
+
+    def _tail(self, lines: int = 20) -> str:
+        if self._log_path is None or not Path(self._log_path).is_file():
+            return ""
+        text = Path(self._log_path).read_text(errors="replace").splitlines()[-lines:]
+        return f"\n--- last lines of {self._log_path} ---\n" + "\n".join(text)

@@ -1,0 +1,123 @@
+"""One training step on one rank: its shard of the batch in micro-batches, one optimizer step for all.
+
+Every rank reads the whole batch, so every rank computes the same plan: the shards (balanced by tokens),
+each rank's micro-batches, and the step's masked-token count, which divides every micro-batch's loss so
+that the micro-batch losses of all ranks add up to the loss of the batch as one big batch. DeepSpeed
+averages gradients over the ranks; the loss is multiplied by the world size to make that average the sum.
+
+Ranks with fewer micro-batches than the busiest rank run zero-weight copies of one of their micro-batches
+(or of the batch's first sample): ZeRO-2/3 communicate inside every forward/backward, so all ranks must
+run the same number of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ajet_hpc.algo.grpo import entropy_from_logits, policy_loss, token_logprobs
+from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches
+from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.trainer.distributed import shard_by_tokens
+from ajet_hpc.trainer.zero import Models
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    indices: list[int]  # into the batch's samples
+    scale: float  # 1.0, or 0.0 for a padding pass
+
+
+def plan_micro_batches(
+    samples: list[Sample], world_size: int, rank: int, token_budget: int
+) -> list[MicroBatch]:
+    """This rank's micro-batches, padded to the busiest rank's count (see the module doc)."""
+    shards = shard_by_tokens([len(s) for s in samples], world_size)
+    plans = [
+        [[shard[i] for i in mb] for mb in pack_micro_batches([samples[i] for i in shard], token_budget)]
+        for shard in shards
+    ]
+    count = max(len(p) for p in plans)
+    mine = [MicroBatch(mb, 1.0) for mb in plans[rank]]
+    filler = plans[rank][-1] if plans[rank] else [0]  # the smallest of its own, or the first sample
+    return mine + [MicroBatch(filler, 0.0)] * (count - len(mine))
+
+
+def masked_tokens(samples: list[Sample]) -> int:
+    return sum(sum(s.loss_mask) for s in samples)
+
+
+_SUMS = ("loss", "tokens", "clip", "kl", "entropy")
+
+
+def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad_id: int) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank, then one optimizer step (all ranks together).
+
+    Returns the step's metrics, equal on every rank: ``loss`` (the batch's loss), ``kl`` (to the
+    reference, 0 without one), ``entropy`` and ``clip_frac`` (means over the batch's masked tokens),
+    ``grad_norm`` (before clipping), ``tokens`` (masked tokens) and ``samples``.
+    """
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    engine = models.engine
+    normalizer = masked_tokens(samples)
+    if normalizer == 0:
+        raise ValueError("the batch has no trainable token (every loss_mask is all 0)")
+    sums = dict.fromkeys(_SUMS, 0.0)
+    for micro in plan_micro_batches(samples, world_size, rank, config.micro_batch_tokens):
+        batch = {
+            k: v.to(models.device) for k, v in collate([samples[i] for i in micro.indices], pad_id).items()
+        }
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logprobs = token_logprobs(logits, batch["input_ids"])
+        old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
+        ref = _reference_logprobs(models, batch) if models.reference is not None else None
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            batch["advantages"],
+            batch["loss_mask"],
+            clip_eps=config.clip_eps,
+            clip_eps_high=config.clip_eps_high,
+            kl_coef=config.kl_coef,
+            ref_logprobs=ref,
+            weights=batch["weights"],
+            normalizer=float(normalizer),
+        )
+        engine.backward(loss * (micro.scale * world_size), scale_wrt_gas=False)
+        with torch.no_grad():
+            mask = batch["loss_mask"] != 0
+            tokens = metrics["tokens"] * micro.scale
+            sums["loss"] += float(loss) * micro.scale
+            sums["tokens"] += tokens
+            sums["clip"] += metrics["clip_frac"] * tokens
+            sums["kl"] += metrics.get("kl", 0.0) * tokens
+            entropy = entropy_from_logits(logits.detach())
+            sums["entropy"] += float(torch.where(mask, entropy, 0.0).sum()) * micro.scale
+        del logits, logprobs, loss
+    totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=models.device)
+    dist.all_reduce(totals)
+    total = dict(zip(_SUMS, totals.tolist(), strict=True))
+    if not math.isfinite(total["loss"]):
+        # Every rank sees the same sum, so every rank stops here: no optimizer step with NaN gradients.
+        raise FloatingPointError(f"the step's loss is {total['loss']}: no optimizer step taken")
+    engine.step()
+    grad_norm = engine.get_global_grad_norm()
+    n = max(total["tokens"], 1.0)
+    return {
+        "loss": total["loss"],
+        "kl": total["kl"] / n,
+        "entropy": total["entropy"] / n,
+        "clip_frac": total["clip"] / n,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens": round(total["tokens"]),
+        "samples": len(samples),
+    }
+
+
+def _reference_logprobs(models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = models.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits, batch["input_ids"])

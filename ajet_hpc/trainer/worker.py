@@ -1,0 +1,230 @@
+"""One trainer rank: ``python -m ajet_hpc.trainer.worker --work-dir DIR --model DIR --config JSON``.
+
+Run under torchrun (one node) or srun (several nodes), one process per rank; see ``launch``. The rank
+joins the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
+``ready.json`` (rank 0), then serves the work dir's inbox (see ``protocol``) until ``stop`` appears.
+
+Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (nothing,
+stop, or the next batch) to all ranks, so all ranks take the same decision at the same time whatever the
+shared file system shows each node, and no rank waits long inside a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.engine.model_path import offline_hub
+from ajet_hpc.storage.atomic import write_json_atomic
+from ajet_hpc.trainer import protocol, zero
+from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
+from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
+from ajet_hpc.trainer.protocol import Batch, WorkDir
+from ajet_hpc.trainer.step import train_step
+
+POLL_S = 0.1
+"""Seconds between two looks at the inbox (each a small broadcast from rank 0)."""
+
+log = logging.getLogger("ajet_hpc.trainer.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m ajet_hpc.trainer.worker", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, required=True, help="The trainer's work dir (RUN/ckpt/<model>)."
+    )
+    parser.add_argument("--model", type=Path, required=True, help="The initial model folder.")
+    parser.add_argument("--config", required=True, help="The TrainerConfig as JSON text.")
+    return parser.parse_args(argv)
+
+
+def setup_rank_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=os.environ.get("AJET_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = rank_env(os.environ)
+    setup_rank_logging(env.rank)
+    offline_hub()
+    config = TrainerConfig.model_validate_json(args.config)
+    return Rank(env, args.work_dir, args.model, config).run()
+
+
+class Rank:
+    """The life of one rank (see the module doc)."""
+
+    def __init__(self, env: RankEnv, work_dir: Path, model_dir: Path, config: TrainerConfig) -> None:
+        self.env = env
+        self.work = WorkDir(Path(work_dir))
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.step = 0
+
+    def run(self) -> int:
+        on_gpu = torch.cuda.is_available()
+        started = time.monotonic()
+        try:
+            torch.manual_seed(self.config.seed + self.env.rank)
+            init_process_group(self.env, on_gpu)
+            self.models = zero.build(self.model_dir, self.config, on_gpu, self.env.local_rank)
+            self.pad_id = _pad_id(self.models.engine.module.config)
+            self.step = zero.resume(
+                self.models, self.work, self.env.rank, self.env.world_size, self.config.zero_stage
+            )
+            weights = self._export(self.step) if self.step else None
+        except Exception as error:
+            log.exception("start failed")
+            if self.env.rank == 0:
+                write_json_atomic(self.work.ready, {"error": f"rank {self.env.rank}: {_describe(error)}"})
+            return 1
+        if self.env.rank == 0:
+            write_json_atomic(
+                self.work.ready,
+                {
+                    "step": self.step,
+                    "world_size": self.env.world_size,
+                    "zero_stage": self.config.zero_stage,
+                    "device": "cuda" if on_gpu else "cpu",
+                    "start_time_s": round(time.monotonic() - started, 3),
+                    "pid": os.getpid(),
+                    "weights_dir": None if weights is None else str(weights),
+                },
+            )
+        log.info("ready after %.1f s at step %d", time.monotonic() - started, self.step)
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                log.info("stop requested: exiting at step %d", self.step)
+                return 0
+            try:
+                self._train(batch)
+            except Exception as error:
+                log.exception("step %d failed", batch.step)
+                protocol.write_error(self.work, batch.step, f"rank {self.env.rank}: {_describe(error)}")
+                return 1
+
+    def _next_batch(self) -> Batch | None:
+        """The next batch (step ``self.step + 1``), or None on stop: rank 0 looks, everyone learns."""
+        while True:
+            decision = [self._look() if self.env.rank == 0 else None]
+            dist.broadcast_object_list(decision, src=0)
+            if decision[0] == "stop":
+                return None
+            if decision[0] is not None:
+                return decision[0]
+            time.sleep(POLL_S)
+
+    def _look(self) -> Batch | str | None:
+        """Rank 0: ``"stop"``, the next batch, or None (nothing yet). Batches for later steps get an error
+        result naming the expected step, once each."""
+        if self.work.stop.exists():
+            return "stop"
+        if not _parent_alive():
+            log.warning("the process that started the trainer is gone: stopping")
+            return "stop"
+        expected = self.step + 1
+        for step in self.work.pending_steps():
+            if step == expected:
+                return protocol.read_batch(self.work.batch_file(step))
+            if step > expected and not self.work.result_file(step).exists():
+                protocol.write_error(
+                    self.work, step, f"the trainer is at step {self.step} and takes step {expected} next"
+                )
+        return None
+
+    def _train(self, batch: Batch) -> None:
+        if batch.step != self.step + 1:
+            raise RuntimeError(f"got step {batch.step}, expected {self.step + 1}")
+        rank = self.env.rank
+        started = time.monotonic()
+        metrics = train_step(self.models, batch.samples, self.config, self.pad_id)
+        step_time = time.monotonic() - started
+        started = time.monotonic()
+        weights = self._export(batch.step)
+        export_time = time.monotonic() - started
+        checkpoint_time = 0.0
+        if batch.save_checkpoint:
+            started = time.monotonic()
+            zero.save_checkpoint(
+                self.models, self.work, batch.step, rank, self.env.world_size, self.config.zero_stage
+            )
+            checkpoint_time = time.monotonic() - started
+        self.step = batch.step
+        log.info(
+            "step %d: loss %.5f, grad_norm %.4g, %d tokens; step %.2f s, export %.2f s, checkpoint %.2f s",
+            batch.step,
+            metrics["loss"],
+            metrics["grad_norm"],
+            metrics["tokens"],
+            step_time,
+            export_time,
+            checkpoint_time,
+        )
+        if rank == 0:
+            protocol.write_result(
+                self.work,
+                batch.step,
+                {
+                    **metrics,
+                    "step_time_s": round(step_time, 4),
+                    "export_time_s": round(export_time, 4),
+                    "checkpoint": batch.save_checkpoint,
+                    "checkpoint_time_s": round(checkpoint_time, 4),
+                    "weights_dir": str(weights),
+                },
+            )
+            self.work.batch_file(batch.step).unlink(missing_ok=True)
+
+    def _export(self, step: int) -> Path:
+        return zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank)
+
+
+def _parent_alive() -> bool:
+    """False once the starting process (see ``launch``) is gone; True when unknown or on another host."""
+    pid = os.environ.get(PARENT_PID_VAR)
+    if not pid or os.environ.get(PARENT_HOST_VAR) != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pad_id(model_config) -> int:
+    pad = getattr(model_config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(model_config, "eos_token_id", None)
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    return int(pad)
+
+
+def _describe(error: BaseException) -> str:
+    last = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
