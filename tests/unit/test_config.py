@@ -93,7 +93,7 @@ def test_quickstart_loads() -> None:
         30,
     )
     assert policy.trainer == TrainerConfig(
-        zero_stage=2, ranks=2, tasks_per_batch=8, repeats=4, total_steps=20
+        zero_stage=2, ranks=2, lr=0.003, tasks_per_batch=8, repeats=8, total_steps=20, save_every=5
     )
     math = topo.client("math")
     assert math.agent == "ajet_hpc.agents.arithmetic:solve"
@@ -182,7 +182,7 @@ def test_task_sources_and_models_accepted() -> None:
 
 def test_yaml_uses_1_2_scalars(tmp_path: Path) -> None:
     text = QUICKSTART.read_text().replace('time: "0:30:00"', "time: 4:00:00") + "\n"
-    text = text.replace("total_steps: 20", "total_steps: 20\n      lr: 1e-5")
+    text = text.replace("lr: 0.003", "lr: 1e-5")
     topo = load_topology(write(tmp_path, text))
     assert topo.servers[0].time == "4:00:00"  # not YAML 1.1's base-60 integer 14400
     assert topo.clients[0].time == "4:00:00"
