@@ -1,0 +1,35 @@
+"""The main job end to end on this machine: the quickstart topology, local processes, real vLLM and
+DeepSpeed, a shorter run. The reward must rise."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from support import REPO, run_module
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_learns(tmp_path: Path) -> None:
+    run = tmp_path / "quickstart"
+    done = run_module(
+        "ajet_hpc.launch",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"run.dir={run}",
+        "servers.policy.trainer.total_steps=14",
+        "servers.policy.trainer.seed=1",
+        timeout_s=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 15))
+    first = statistics.fmean(row["reward_mean"] for row in rows[:5])
+    last = statistics.fmean(row["reward_mean"] for row in rows[-5:])
+    assert last > first + 0.1, f"reward did not rise: first 5 steps {first:.3f}, last 5 steps {last:.3f}"
+    assert "reward_mean" in done.stdout and "run finished" in done.stdout  # the table at the end
+    for row in rows:
+        assert row["policy_version"] == row["step"] and row["weight_sync_s"] is not None
+    assert (run / "ckpt" / "policy" / "ds" / "trainer_state.json").is_file()
