@@ -23,7 +23,8 @@ temporary name and renamed, so a reader sees a whole file or none:
 ``stop``
     Created by the coordinator: the ranks exit at their next wait for a batch.
 
-Steps are 1, 2, 3, ... with no gaps: after resuming at step ``n`` the ranks wait for ``n + 1``.
+Steps are 1, 2, 3, ... with no gaps: after resuming at step ``n`` the ranks wait for ``n + 1``, and first
+remove the weights, checkpoints and results an abandoned run left for steps after ``n``.
 """
 
 from __future__ import annotations
@@ -220,6 +221,26 @@ def staging_dir(work: WorkDir, step: int) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def discard_after(work: WorkDir, step: int) -> list[str]:
+    """Remove what an abandoned run left past ``step`` (the step the ranks resume at): weight folders,
+    DeepSpeed tags and results of later steps. Batches in the inbox stay (the coordinator may have
+    submitted the next one already). Returns the removed paths, relative to the work dir."""
+    removed = []
+    for folder in (work.weights, work.ds, work.outbox):
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            later = step_of(path.name)
+            if later is None or later <= step:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(str(path.relative_to(work.root)))
+    return removed
 
 
 def _prune(folder: Path, keep: int, protect: str | None = None) -> None:

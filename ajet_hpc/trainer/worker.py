@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +59,11 @@ def setup_rank_logging(rank: int) -> None:
         force=True,
     )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed calls torch's renamed collectives on every step: one warning per call, per rank.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars per rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +96,9 @@ class Rank:
             self.step = zero.resume(
                 self.models, self.work, self.env.rank, self.env.world_size, self.config.zero_stage
             )
+            if self.env.rank == 0:
+                for path in protocol.discard_after(self.work, self.step):
+                    log.info("removed %s, left by a run past step %d", path, self.step)
             weights = self._export(self.step) if self.step else None
         except Exception as error:
             log.exception("start failed")

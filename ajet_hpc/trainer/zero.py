@@ -9,10 +9,8 @@ must run the same number of forward/backward passes (the worker pads with zero-w
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
-import pickle
 import random
 import shutil
 import time
@@ -169,17 +167,14 @@ def _rng_file(rank: int) -> str:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {
-        "python": base64.b64encode(pickle.dumps(random.getstate())).decode(),
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(pickle.loads(base64.b64decode(state["python"])))  # our own file, from our own run
+    random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -224,6 +219,6 @@ def resume(models: Models, work: WorkDir, rank: int, world_size: int, stage: int
         raise RuntimeError(f"DeepSpeed found no checkpoint {state.tag} in {work.ds}")
     if client.get("ajet_step") != state.step:
         raise RuntimeError(f"checkpoint {state.tag} holds step {client.get('ajet_step')}, not {state.step}")
-    _set_rng_state(torch.load(work.ds / state.tag / state.rng_files[rank], weights_only=False))
+    _set_rng_state(torch.load(work.ds / state.tag / state.rng_files[rank], weights_only=True))
     log.info("resumed from %s (step %d) in %.1f s", path, state.step, time.monotonic() - started)
     return state.step
