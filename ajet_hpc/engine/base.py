@@ -164,3 +164,22 @@ async def generate_all(
     if finish_reason is None:
         raise EngineError(f"request {request_id}: the stream ended without a finish reason")
     return Chunk(token_ids, logprobs, finish_reason)
+
+
+class EngineLifecycle:
+    """What both engines share: ``async with engine:`` and the tokenizer, available once started."""
+
+    _tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            raise EngineError("the engine is not started: call start() first")
+        return self._tokenizer
+
+    async def __aenter__(self):
+        await self.start()  # type: ignore[attr-defined]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()  # type: ignore[attr-defined]

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ajet_hpc.engine.base import Chunk, EngineError, FinishReason, SamplingParams, check_prompt
+from ajet_hpc.engine.base import (
+    Chunk,
+    EngineError,
+    EngineLifecycle,
+    FinishReason,
+    SamplingParams,
+    check_prompt,
+)
 from ajet_hpc.engine.model_path import offline_hub
 
 if TYPE_CHECKING:
@@ -64,7 +71,7 @@ class _Request:
         self.loop.call_soon_threadsafe(self.chunks.put_nowait, item)
 
 
-class TransformersEngine:
+class TransformersEngine(EngineLifecycle):
     """`ajet_hpc.engine.base.Engine` on transformers' ``AutoModelForCausalLM`` (see the module doc)."""
 
     name = "transformers"
@@ -81,19 +88,6 @@ class TransformersEngine:
         self._generator: torch.Generator | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._requests: dict[str, _Request] = {}
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        if self._tokenizer is None:
-            raise EngineError("the engine is not started: call start() first")
-        return self._tokenizer
-
-    async def __aenter__(self) -> TransformersEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         if self._worker is not None:

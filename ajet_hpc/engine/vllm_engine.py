@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ajet_hpc.engine.base import Chunk, EngineError, FinishReason, SamplingParams, check_prompt
+from ajet_hpc.engine.base import (
+    Chunk,
+    EngineError,
+    EngineLifecycle,
+    FinishReason,
+    SamplingParams,
+    check_prompt,
+)
 from ajet_hpc.engine.model_path import offline_hub
 
 if TYPE_CHECKING:
@@ -65,7 +72,7 @@ class VllmSettings:
             raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
 
 
-class VllmEngine:
+class VllmEngine(EngineLifecycle):
     """`ajet_hpc.engine.base.Engine` on vLLM's ``AsyncLLM`` (see the module doc)."""
 
     name = "vllm"
@@ -81,19 +88,6 @@ class VllmEngine:
         self._tied_embeddings = False
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        if self._tokenizer is None:
-            raise EngineError("the engine is not started: call start() first")
-        return self._tokenizer
-
-    async def __aenter__(self) -> VllmEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         if self._llm is not None:
