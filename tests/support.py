@@ -24,6 +24,7 @@ def topology_dict(run_dir: Path, *, array: int = 3, backend: str = "local", **cl
                 "name": "policy",
                 "model": "builtin:tiny",
                 "engine": "transformers",  # loads in seconds; the vLLM engine has its own tests
+                "trainer": None,  # serve only: these runs test jobs, not training
                 "partition": "gpu",
                 "gpus_per_node": 0,
                 "cpus": 1,
@@ -39,6 +40,8 @@ def topology_dict(run_dir: Path, *, array: int = 3, backend: str = "local", **cl
                 "servers": ["policy"],
                 "partition": "cpu",
                 "array": array,
+                "max_tasks": 2 * array,  # a finite share of work per array task
+                "repeats": 1,
                 "cpus": 1,
                 "mem": "300M",
                 "time": "10:00",

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ajet_hpc.server import protocol as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
@@ -128,9 +128,10 @@ async def _chat(
     _begin_call(episode)
     if not body.stream:
         try:
-            return await ctx.service.chat(body, episode)
+            answer = await ctx.service.chat(body, episode)
         finally:
             _end_call(episode)
+        return Response(answer.model_dump_json(), media_type="application/json")  # skips jsonable_encoder
     try:
         plan = await ctx.service.chat_plan(body, episode)  # errors before the stream starts are 4xx
     except BaseException:

@@ -76,8 +76,8 @@ class Service:
         self.check_request(request.model, request.n, request.requested_max_tokens())
         messages = [message.for_template() for message in request.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-        try:
-            plan = await asyncio.to_thread(episode.tracker.build_prompt, messages, tools)
+        try:  # inline: a thread hop costs more than it saves (tools/bench/README.md)
+            plan = episode.tracker.build_prompt(messages, tools)
         except (TemplateError, TypeError, ValueError) as exc:
             raise BadRequest(f"the model's chat template cannot render these messages: {exc}") from exc
         self._check_length(len(plan.prompt_ids))

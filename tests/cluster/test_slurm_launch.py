@@ -79,7 +79,7 @@ def test_server_and_client_array_on_dev_cluster(tmp_path: Path, cleanup: list[st
     assert status.returncode == 0, status.stderr
     assert f"server-policy          {server_id}" in status.stdout
     assert "RUNNING" in status.stdout and "g1" in status.stdout
-    assert f"policy           ready    {record.url}" in status.stdout
+    assert f"policy           serving  {record.url}" in status.stdout
 
     again = launch(run)  # relaunch on the run directory: the live server is left alone
     assert f"still active as job {server_id}" in again.stdout
