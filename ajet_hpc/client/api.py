@@ -40,6 +40,7 @@ class Outcome:
     reward: float
     turn_rewards: list[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    transcript: Any = None  # the agent's own record of the episode (JSON-serialisable), kept by the client
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ waits for the server's rendezvous (it may come back on another node) and runs th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from ajet_hpc.client.tasks import import_entry, open_source, shard
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.storage.client_store import ClientStore, Result
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,9 @@ class GroupTask:
         self.apis_lock = threading.Lock()
         self.finished = threading.Event()  # a server's training is complete: start no new episode
         self.tally = Tally()
+        store_path = run.data_dir / "clients" / group.name / f"{index}.h5"
+        store_path.parent.mkdir(parents=True, exist_ok=True)
+        self.store = ClientStore.open(store_path, group=group.name, index=index)
 
     def connect(self, name: str, known_url: str | None = None) -> EpisodeAPI:
         """The episode API of server ``name``, waiting for it (again) when it is away."""
@@ -104,10 +110,15 @@ class GroupTask:
             return self.tally
         source = open_source(self.group.tasks, base_dir=self.rundir.root.parent)
         tasks = shard(source, self.index, self.group.array, self.group.max_tasks)
+        done = self.store.committed()
+        if done:
+            log.info("resuming: %d results already committed in %s", len(done), self.store.path)
         slots = threading.BoundedSemaphore(self.group.in_flight)
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
             for task in tasks:
                 for repeat in range(self.repeats):
+                    if (task.id, repeat) in done:
+                        continue
                     slots.acquire()
                     if self.finished.is_set():
                         slots.release()
@@ -119,11 +130,19 @@ class GroupTask:
         return self.tally
 
     def episode(self, task: Task, repeat: int) -> None:
-        """Run one episode to its end, again from the start each time a server goes away."""
+        """Run one episode to its end, again from the start each time a server goes away or drops it."""
+        rejected = 0
         while not self.finished.is_set():
             try:
                 self._attempt(task, repeat)
                 return
+            except EpisodeRejected as exc:
+                rejected += 1
+                log.warning(
+                    "task %s repeat %d not accepted (%s): try %d of 3", task.id, repeat, exc, rejected
+                )
+                if rejected >= 3:
+                    return
             except (TrainingFinished, ServerFinished) as exc:
                 log.info("stopping: %s", exc)
                 self.finished.set()
@@ -156,13 +175,21 @@ class GroupTask:
                 self.tally.aborted += 1
             return
         for name, b in begun.items():
-            try:
-                self.connect(name).end(
-                    b["episode_id"], outcome.reward, outcome.turn_rewards, outcome.metadata
-                )
-            except EpisodeRejected as exc:
-                log.warning("episode %s of task %s not accepted: %s", b["episode_id"], task.id, exc)
-                return
+            self.connect(name).end(b["episode_id"], outcome.reward, outcome.turn_rewards, outcome.metadata)
+        self.store.commit(
+            Result(
+                task_id=task.id,
+                repeat=repeat,
+                reward=outcome.reward,
+                rewards=dict.fromkeys(begun, outcome.reward),
+                episode_ids={name: b["episode_id"] for name, b in begun.items()},
+                transcript=None
+                if outcome.transcript is None
+                else json.dumps(outcome.transcript, default=str),
+                metadata=outcome.metadata,
+                finished_at=time.time(),
+            )
+        )
         with self.tally.lock:
             self.tally.finished += 1
             self.tally.rewards.append(outcome.reward)
@@ -198,8 +225,14 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
     if not 0 <= index < group.array:
         raise SystemExit(f"client index {index} is outside group {group.name!r} (array of {group.array})")
     job = environment.current()
-    log.info("client %s[%d] (job %s) on node %s", group.name, index, job.job_id, job.node)
-    tally = GroupTask(run, group, index, episode_repeats(topology, group)).run()
+    log.info(
+        "client %s[%d] (job %s, pid %d) on node %s", group.name, index, job.job_id, os.getpid(), job.node
+    )
+    worker = GroupTask(run, group, index, episode_repeats(topology, group))
+    try:
+        tally = worker.run()
+    finally:
+        worker.store.close()
     mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
     log.info(
         "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted",

@@ -31,6 +31,7 @@ class ServerContext:
     public_url: str = ""  # how agents reach this server; set once the port is known
     started_at: float = field(default_factory=time.time)
     coordinator: Any = None  # ajet_hpc.trainer.coordinator.Coordinator when the model trains
+    recorder: Any = None  # ajet_hpc.server.recorder.EpisodeRecorder: closed episodes to RUN/data/<model>.h5
     on_finished: Callable[[], None] | None = None  # called once training is complete
     training_done: bool = False
     service: Service = field(init=False)
@@ -51,6 +52,10 @@ class ServerContext:
         if self.training_done:
             return "finished"
         return "training" if self.coordinator is not None else "serving"
+
+    def attach_recorder(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.episodes.on_closed(recorder.submit)
 
     def attach_trainer(self, coordinator: Any) -> None:
         self.coordinator = coordinator
@@ -79,6 +84,8 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
                 task.cancel()
             if ctx.coordinator is not None:
                 ctx.coordinator.close()
+            if ctx.recorder is not None:
+                ctx.recorder.close()
             if manage_engine:
                 await ctx.engine.stop()
 

@@ -19,6 +19,7 @@ from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server.app import ServerContext, create_app
+from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
@@ -136,6 +137,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         job_id=job.job_id,
         public_url=f"http://{host}:{port}",
     )
+    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
     if config.trainer is not None:
         ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm))
     server = _Server(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ajet_hpc.config import ServerConfig, TrainerConfig
+from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.collector import Batch, BatchCollector, build_samples, reward_stats
 from ajet_hpc.trainer.launch import start_ranks
@@ -145,6 +146,8 @@ class Coordinator:
             "time": time.time(),
         }
         metrics.append_row(self.metrics_path, row)
+        if self.ctx.recorder is not None:
+            self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
             "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  step %.2fs  weight sync %.0f ms",
             self.step,

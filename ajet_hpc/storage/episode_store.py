@@ -1,0 +1,564 @@
+"""The server store: every closed episode and every training step of one model, in ``RUN/data/<model>.h5``.
+
+One writer, the server process (:class:`EpisodeWriter`, called from its recorder thread, one lock); any number
+of readers (:class:`EpisodeReader`), also while the server writes: the file is in HDF5 SWMR mode. An append
+is committed when it returns: data first, flush, then the ``commit`` counter, flush, fsync. Readers see only
+what the counter covers; a writer reopening the file after a crash shrinks everything back to it. The layout
+and its reasons are in :mod:`ajet_hpc.storage.h5_layout` and docs/storage.md ("Server store").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.storage.h5_layout import (
+    LAYOUT_VERSION,
+    OFFSETS,
+    ROWS,
+    SEALED,
+    SPACES,
+    TAIL,
+    Append,
+    SealedColumn,
+    SealedReader,
+    StoreError,
+    check_not_truncated,
+    clear_stale_write_flags,
+    commit_check,
+    create_file,
+    encode_episode,
+    encode_step,
+    id_hash,
+    open_file,
+    open_for_read,
+    open_uncached,
+    write_at,
+    writer_identity,
+)
+from ajet_hpc.tracking.timeline import DriftEvent, Timeline
+
+if TYPE_CHECKING:
+    from ajet_hpc.server.episodes import Episode
+
+__all__ = ["LAYOUT_VERSION", "EpisodeReader", "EpisodeRecord", "EpisodeWriter", "StepRecord", "StoreError"]
+
+log = logging.getLogger(__name__)
+
+_SPACE = {space: i for i, space in enumerate(SPACES)}
+_BATCH = 8192  # episodes / steps parsed per read when building summaries
+
+
+@dataclass
+class EpisodeRecord:
+    """What the server hands over when an episode closes (and what the reader gives back)."""
+
+    episode_id: str
+    model: str
+    task_id: str | None
+    group: str | None
+    state: str  # finished / aborted / dropped
+    reward: float | None
+    turn_rewards: list[float] | None
+    reason: str | None
+    metadata: dict[str, Any]
+    started_at: float
+    ended_at: float
+    timelines: list[Timeline]
+
+    @classmethod
+    def from_episode(cls, episode: Episode) -> EpisodeRecord:
+        """From a closed :class:`~ajet_hpc.server.episodes.Episode`; cheap (timelines shared, not copied)."""
+        return cls(
+            episode_id=episode.episode_id,
+            model=episode.model,
+            task_id=episode.task_id,
+            group=episode.group,
+            state=episode.state,
+            reward=episode.reward,
+            turn_rewards=list(episode.turn_rewards) if episode.turn_rewards is not None else None,
+            reason=episode.reason,
+            metadata=dict(episode.metadata),
+            started_at=episode.started_at,
+            ended_at=episode.ended_at if episode.ended_at is not None else time.time(),
+            timelines=list(episode.timelines),
+        )
+
+
+@dataclass
+class StepRecord:
+    """One training step: its metrics row and the samples of its batch."""
+
+    step: int
+    metrics: dict[str, Any]
+    samples: list[Sample] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------- writer
+_OPEN_WRITERS: set[str] = set()
+_OPEN_WRITERS_LOCK = threading.Lock()
+
+
+class EpisodeWriter:
+    """Appends episodes and steps to one store; creates it, or reopens it recovering to the last commit.
+
+    Thread-safe (one lock). Each append is committed when it returns; a failed append leaves nothing behind
+    (the writer reopens the file at the last commit) and raises :class:`StoreError`.
+    """
+
+    def __init__(self, path: Path, *, chunk_tokens: int = 65536) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._file: h5py.File | None = None
+        self._key = os.path.realpath(self.path)
+        with _OPEN_WRITERS_LOCK:
+            if self._key in _OPEN_WRITERS:
+                raise StoreError(
+                    f"{self.path}: already open for writing in this process; one writer per store"
+                )
+            _OPEN_WRITERS.add(self._key)
+        try:
+            if not self.path.exists():
+                create_file(self.path, chunk_tokens)
+            self._open()
+        except BaseException:
+            with _OPEN_WRITERS_LOCK:
+                _OPEN_WRITERS.discard(self._key)
+            raise
+
+    def _open(self) -> None:
+        check_not_truncated(self.path)
+        clear_stale_write_flags(self.path)
+        f = open_file(self.path, write=True)
+        try:
+            f.attrs["writer"] = writer_identity()
+            f.swmr_mode = True  # from here on, every state of the file on disk is readable
+            self._fd = f.id.get_vfd_handle()
+            self._commit = open_uncached(f, "commit")
+            self._sealed = open_uncached(f, "sealed")
+            self._data = {name: f[name] for name in (*ROWS, *OFFSETS)}
+            chunk_tokens = int(f.attrs["chunk_tokens"])
+            self._columns = {
+                name: SealedColumn(f[name], open_uncached(f, f"{TAIL}/{name}"), space, chunk_tokens)
+                for name, (_, space) in SEALED.items()
+            }
+            self._counts = _read_commit(self._commit, self.path)
+            self._recover(f)
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+
+    def _recover(self, f: h5py.File) -> None:
+        """Check the committed state and shrink every dataset back to it."""
+        count = {space: int(self._counts[i]) for i, space in enumerate(SPACES)}
+        for name, (rows, target) in OFFSETS.items():
+            ds, n = f[name], count[rows]
+            if ds.shape[0] < n + 1 or int(ds[n]) != count[target]:
+                raise StoreError(
+                    f"{self.path}: {name} does not match the commit counter; the file is damaged"
+                )
+            ds.resize((n + 1,))
+        for name in ROWS:
+            if f[name].shape[0] < count[name]:
+                raise StoreError(
+                    f"{self.path}: {name} is shorter than the commit counter; the file is damaged"
+                )
+            f[name].resize((count[name],))
+        sealed = self._sealed[:]
+        for column in self._columns.values():
+            on_disk = int(sealed[_SPACE[column.space]])
+            if column.main.shape[0] < max(count[column.space] // column.chunk, on_disk) * column.chunk:
+                raise StoreError(f"{self.path}: {column.main.name} lost sealed chunks; the file is damaged")
+            column.recover(count[column.space], on_disk)
+        f.flush()
+        self._write_sealed()
+        f.flush()
+        for column in self._columns.values():
+            column.drop_unsealed()
+        f.flush()
+
+    def _write_sealed(self) -> None:
+        sealed = np.zeros(len(SPACES), np.int64)
+        for column in self._columns.values():
+            sealed[_SPACE[column.space]] = column.sealed
+        write_at(self._sealed, 0, sealed)
+
+    # --------------------------------------------------------------------------------------- appends
+    def append_episode(self, record: EpisodeRecord) -> None:
+        """Append one closed episode; committed on return."""
+        try:
+            encoded = encode_episode(record)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StoreError(f"{self.path}: episode {record.episode_id} cannot be stored: {exc}") from exc
+        self._append(encoded, f"episode {record.episode_id}")
+
+    def append_step(self, record: StepRecord) -> None:
+        """Append one training step (metrics and samples); committed on return."""
+        try:
+            encoded = encode_step(record)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StoreError(f"{self.path}: step {record.step} cannot be stored: {exc}") from exc
+        self._append(encoded, f"step {record.step}")
+
+    def _append(self, encoded: Append, what: str) -> None:
+        with self._lock:
+            if self._file is None:
+                raise StoreError(f"{self.path}: the writer is closed")
+            try:
+                self._write(self._file, encoded)
+            except Exception as exc:
+                self._reopen_after(exc)
+                raise StoreError(
+                    f"{self.path}: writing {what} failed, nothing of it was committed: {exc}"
+                ) from exc
+
+    def _write(self, f: h5py.File, encoded: Append) -> None:
+        old = self._counts
+        new = old.copy()
+        for space, n in encoded.counts.items():
+            new[_SPACE[space]] += n
+        sealed = [self._columns[name].stage(values) for name, values in encoded.columns.items()]
+        if any(sealed):  # a tail slot may be reused next: readers must see the seal first
+            f.flush()
+            self._write_sealed()
+            f.flush()
+        for name in encoded.columns:
+            self._columns[name].write_tail()
+        for name, rows in encoded.rows.items():
+            write_at(self._data[name], int(old[_SPACE[name]]), rows)
+        for name, lengths in encoded.lengths.items():
+            rows_space, target = OFFSETS[name]
+            ends = int(old[_SPACE[target]]) + np.cumsum(lengths, dtype=np.int64)
+            write_at(self._data[name], int(old[_SPACE[rows_space]]) + 1, ends)
+        f.flush()
+        os.fsync(
+            self._fd
+        )  # this append's data (and the previous commit) on disk before the counter points to it
+        write_at(self._commit, 0, np.append(new, commit_check(new)))
+        f.flush()
+        self._counts = new
+
+    def _reopen_after(self, exc: Exception) -> None:
+        log.error("%s: an append failed (%s); reopening at the last commit", self.path, exc)
+        try:
+            assert self._file is not None
+            self._file.close()
+            self._file = None
+            self._open()
+        except Exception:
+            self._file = None
+            log.exception("%s: could not reopen the store; the writer is closed", self.path)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._fd)
+                self._file.close()
+                self._file = None
+        with _OPEN_WRITERS_LOCK:
+            _OPEN_WRITERS.discard(self._key)
+
+    def __enter__(self) -> EpisodeWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_commit(ds: h5py.Dataset, path: Path, tries: int = 50) -> np.ndarray:
+    """The committed counts per space; retried while a concurrent write is seen half-done."""
+    for _ in range(tries):
+        ds.refresh()
+        raw = ds[:]
+        if len(raw) == len(SPACES) + 1 and int(raw[-1]) == commit_check(raw[:-1]):
+            return raw[:-1].astype(np.int64)
+        time.sleep(0.002)
+    raise StoreError(f"{path}: the commit counter does not check out; the file is damaged")
+
+
+# ------------------------------------------------------------------------------------------- reader
+class EpisodeReader:
+    """Reads a store, also while its writer appends: ``refresh()`` picks up what was committed since.
+
+    Sees only committed episodes and steps. Random access by id is a hash lookup (the id map is extended
+    on use after each refresh). Not thread-safe: one reader per thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = open_for_read(self.path)
+        try:
+            f = self._file
+            chunk_tokens = int(f.attrs["chunk_tokens"])
+            self._commit = open_uncached(f, "commit")
+            self._sealed_ds = open_uncached(f, "sealed")
+            self._data = {name: f[name] for name in (*ROWS, *OFFSETS)}
+            self._columns = {
+                name: SealedReader(f[name], open_uncached(f, f"{TAIL}/{name}"), space, chunk_tokens)
+                for name, (_, space) in SEALED.items()
+            }
+        except BaseException:
+            self._file.close()
+            raise
+        self._counts = np.zeros(len(SPACES), np.int64)
+        self._seals = np.zeros(len(SPACES), np.int64)
+        self._ids: dict[int, int] = {}
+        self._summaries: list[dict[str, Any]] = []
+        self._steps: list[dict[str, Any]] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """See everything committed up to now."""
+        counts = _read_commit(self._commit, self.path)
+        if (counts < self._counts).any():
+            raise StoreError(f"{self.path}: the commit counter went backwards; the file was replaced")
+        self._seals = self._read_seals()
+        for ds in self._data.values():
+            ds.refresh()
+        self._counts = counts
+
+    def _read_seals(self) -> np.ndarray:
+        self._sealed_ds.refresh()
+        return self._sealed_ds[:]
+
+    def _n(self, space: str) -> int:
+        return int(self._counts[_SPACE[space]])
+
+    def __len__(self) -> int:
+        return self._n("episodes")
+
+    def _read(self, requests: list[tuple[str, int, int]]) -> list[np.ndarray]:
+        """Ranges of sealed columns. A range read from a tail slot is read again from the column when the
+        ``sealed`` counter shows its chunk sealed meanwhile (the slot may have been reused)."""
+        out: list[np.ndarray] = [np.zeros(0)] * len(requests)
+        todo = list(range(len(requests)))
+        while todo:
+            from_tail: dict[int, int] = {}
+            for i in todo:
+                name, start, stop = requests[i]
+                column = self._columns[name]
+                out[i], chunk = column.read(int(start), int(stop), int(self._seals[_SPACE[column.space]]))
+                if chunk is not None:
+                    from_tail[i] = chunk
+            if not from_tail:
+                break
+            self._seals = self._read_seals()
+            todo = [
+                i
+                for i, k in from_tail.items()
+                if self._seals[_SPACE[self._columns[requests[i][0]].space]] > k
+            ]
+        return out
+
+    # --------------------------------------------------------------------------------------- episodes
+    def episode(self, episode_id: str) -> EpisodeRecord:
+        """The full record of ``episode_id`` (the latest one if it was stored twice)."""
+        n = len(self)
+        if len(self._ids) < n:
+            hashes = self._data["episodes"].fields("id_hash")[len(self._ids) : n]
+            self._ids.update(zip(hashes.tolist(), range(len(self._ids), n), strict=True))
+        index = self._ids.get(id_hash(episode_id))
+        if index is not None:
+            record = self._episode_at(index)
+            if record.episode_id == episode_id:
+                return record
+            matches = [
+                s["index"] for s in self.summaries() if s["episode_id"] == episode_id
+            ]  # hash collision
+            if matches:
+                return self._episode_at(matches[-1])
+        raise KeyError(f"{self.path}: no episode {episode_id!r} among its {n} committed episodes")
+
+    def _episode_at(self, index: int) -> EpisodeRecord:
+        d = self._data
+        (t0, t1), (j0, j1) = (
+            d["episode_timeline_offsets"][index : index + 2],
+            d["episode_json_offsets"][index : index + 2],
+        )
+        row, rows = d["episodes"][index], d["timelines"][t0:t1]
+        tok_off, json_off = d["timeline_offsets"][t0 : t1 + 1], d["timeline_json_offsets"][t0 : t1 + 1]
+        tokens, logprobs, mask, authors, tjson, ejson = self._read(
+            [
+                *((name, tok_off[0], tok_off[-1]) for name in ("tokens", "logprobs", "loss_mask", "authors")),
+                ("timeline_json", json_off[0], json_off[-1]),
+                ("episode_json", j0, j1),
+            ]
+        )
+        tok_off, json_off, tjson = tok_off - tok_off[0], json_off - json_off[0], tjson.tobytes()
+        timelines = []
+        for i, trow in enumerate(rows):
+            a, p, b = int(tok_off[i]), int(tok_off[i]) + int(trow["prompt_len"]), int(tok_off[i + 1])
+            extra = json.loads(tjson[json_off[i] : json_off[i + 1]])
+            timelines.append(
+                Timeline(
+                    prompt_ids=tokens[a:p].tolist(),
+                    response_ids=tokens[p:b].tolist(),
+                    response_logprobs=logprobs[p:b].tolist(),
+                    token_authors=authors[a:b].tolist(),
+                    loss_mask=mask[a:b].tolist(),
+                    messages=extra["messages"],
+                    tools=extra["tools"],
+                    policy_version=int(trow["policy_version"]),
+                    finish_reason=extra["finish_reason"],
+                    drift=[DriftEvent(**event) for event in extra["drift"]],
+                    reused_spans=[(int(s), int(e)) for s, e in extra["reused_spans"]],
+                    started_at=float(trow["started_at"]),
+                    finished_at=float(trow["finished_at"]),
+                )
+            )
+        meta = json.loads(ejson.tobytes())
+        return EpisodeRecord(
+            episode_id=meta["episode_id"],
+            model=meta["model"],
+            task_id=meta["task_id"],
+            group=meta["group"],
+            state=meta["state"],
+            reward=None if math.isnan(row["reward"]) else float(row["reward"]),
+            turn_rewards=meta["turn_rewards"],
+            reason=meta["reason"],
+            metadata=meta["metadata"],
+            started_at=float(row["started_at"]),
+            ended_at=float(row["ended_at"]),
+            timelines=timelines,
+        )
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """One dict per committed episode, in store order, without token data."""
+        while len(self._summaries) < len(self):
+            self._summaries += self._summarize(
+                len(self._summaries), min(len(self), len(self._summaries) + _BATCH)
+            )
+        return [dict(s) for s in self._summaries]
+
+    def _summarize(self, m: int, n: int) -> list[dict[str, Any]]:
+        d = self._data
+        rows, eto, ejo = (
+            d["episodes"][m:n],
+            d["episode_timeline_offsets"][m : n + 1],
+            d["episode_json_offsets"][m : n + 1],
+        )
+        t0 = int(eto[0])
+        trows, toff = d["timelines"][t0 : eto[-1]], d["timeline_offsets"][t0 : eto[-1] + 1]
+        drift = np.concatenate([[0], np.cumsum(trows["n_drift"])])
+        versions = trows["policy_version"].tolist()
+        (ejson,) = self._read([("episode_json", ejo[0], ejo[-1])])
+        ejson, ejo = ejson.tobytes(), ejo - ejo[0]
+        out = []
+        for i in range(n - m):
+            meta = json.loads(ejson[ejo[i] : ejo[i + 1]])
+            a, b = int(eto[i]) - t0, int(eto[i + 1]) - t0
+            reward = float(rows["reward"][i])
+            out.append(
+                {
+                    "index": m + i,
+                    "episode_id": meta["episode_id"],
+                    "task_id": meta["task_id"],
+                    "group": meta["group"],
+                    "state": meta["state"],
+                    "reward": None if math.isnan(reward) else reward,
+                    "turn_rewards": meta["turn_rewards"],
+                    "calls": b - a,
+                    "tokens": int(toff[b] - toff[a]),
+                    "drift": int(drift[b] - drift[a]),
+                    "policy_versions": sorted(set(versions[a:b])),
+                    "started_at": float(rows["started_at"][i]),
+                    "ended_at": float(rows["ended_at"][i]),
+                    "reason": meta["reason"],
+                    "metadata": meta["metadata"],
+                }
+            )
+        return out
+
+    # ------------------------------------------------------------------------------------------ steps
+    def steps(self) -> list[dict[str, Any]]:
+        """Per recorded step, in order: step, metrics, n_samples, episode_ids (distinct, in batch order)."""
+        d, n = self._data, self._n("steps")
+        if len(self._steps) < n:
+            m = len(self._steps)
+            rows, sso, sjo = (
+                d["steps"][m:n],
+                d["step_sample_offsets"][m : n + 1],
+                d["step_json_offsets"][m : n + 1],
+            )
+            sample_off = d["sample_json_offsets"][sso[0] : sso[-1] + 1]
+            sjson, ajson = self._read(
+                [("step_json", sjo[0], sjo[-1]), ("sample_json", sample_off[0], sample_off[-1])]
+            )
+            sjson, ajson, sjo, sample_off = (
+                sjson.tobytes(),
+                ajson.tobytes(),
+                sjo - sjo[0],
+                sample_off - sample_off[0],
+            )
+            for i in range(n - m):
+                a, b = int(sso[i] - sso[0]), int(sso[i + 1] - sso[0])
+                ids = [
+                    json.loads(ajson[sample_off[k] : sample_off[k + 1]])["episode_id"] for k in range(a, b)
+                ]
+                self._steps.append(
+                    {
+                        "index": m + i,
+                        "step": int(rows["step"][i]),
+                        "metrics": json.loads(sjson[sjo[i] : sjo[i + 1]])["metrics"],
+                        "n_samples": b - a,
+                        "episode_ids": list(dict.fromkeys(ids)),
+                    }
+                )
+        return [dict(s) for s in self._steps]
+
+    def step_samples(self, step: int) -> list[Sample]:
+        """The samples of training step ``step`` (its latest record, if a resumed run recorded it twice)."""
+        found = [s["index"] for s in self.steps() if s["step"] == step]
+        if not found:
+            raise KeyError(f"{self.path}: no step {step} among its {self._n('steps')} recorded steps")
+        d, index = self._data, found[-1]
+        s0, s1 = (int(x) for x in d["step_sample_offsets"][index : index + 2])
+        rows, tok_off, json_off = (
+            d["samples"][s0:s1],
+            d["sample_token_offsets"][s0 : s1 + 1],
+            d["sample_json_offsets"][s0 : s1 + 1],
+        )
+        names = ("sample_tokens", "sample_loss_mask", "sample_advantages", "sample_old_logprobs")
+        tokens, mask, advantages, old, ajson = self._read(
+            [*((name, tok_off[0], tok_off[-1]) for name in names), ("sample_json", json_off[0], json_off[-1])]
+        )
+        tok_off, json_off, ajson = tok_off - tok_off[0], json_off - json_off[0], ajson.tobytes()
+        samples = []
+        for i, row in enumerate(rows):
+            a, b = int(tok_off[i]), int(tok_off[i + 1])
+            extra = json.loads(ajson[json_off[i] : json_off[i + 1]])
+            samples.append(
+                Sample(
+                    token_ids=tokens[a:b].tolist(),
+                    loss_mask=mask[a:b].tolist(),
+                    old_logprobs=old[a:b].tolist(),
+                    advantages=advantages[a:b].tolist(),
+                    policy_version=int(row["policy_version"]),
+                    episode_id=extra["episode_id"],
+                    task_id=extra["task_id"],
+                    weight=float(row["weight"]),
+                )
+            )
+        return samples
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> EpisodeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

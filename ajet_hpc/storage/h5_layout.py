@@ -1,0 +1,603 @@
+"""The HDF5 layout of the server store, and the plumbing under it (see docs/storage.md, "Server store").
+
+Everything lives in flat, appendable datasets; a *space* is one kind of element (episodes, timelines, tokens,
+bytes of JSON...) and the 1-element-per-space ``commit`` dataset says how many of each are committed. Three
+kinds of dataset:
+
+- **rows**: a table of fixed-size records, one per element of its space (``episodes``, ``timelines``...),
+  unfiltered, rewritten nowhere: an append writes past the end.
+- **offsets**: ``int64 [n+1]`` per row, into another space (``timeline_offsets`` into tokens...).
+- **sealed columns**: the big ones (tokens, logprobs, JSON bytes), deflate-compressed. Under SWMR, HDF5 never
+  frees a chunk that is rewritten with another size (a reader may still hold its old address), so a
+  compressed chunk must be written exactly once: only full chunks go to the column, compressed by us (shuffle
+  + zlib, the same bytes HDF5's own filters would write) with ``write_direct_chunk``; the open chunk lives
+  uncompressed in ``_tail/<column>``, two slots used in turn (chunk ``k`` in slot ``k % 2``). The ``sealed``
+  dataset counts the full chunks per space; it is flushed before a slot is reused, so a reader that read a
+  slot and then sees the count pass that chunk knows to read the column instead (a sequence lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+
+if TYPE_CHECKING:
+    from ajet_hpc.storage.episode_store import EpisodeRecord, StepRecord
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+TAIL = "_tail"
+CLOSED_STATES = ("finished", "aborted", "dropped")
+DEFLATE_LEVEL = 4  # docs/storage.md: level 1 is 5-13% larger, 1.5x faster; 6 and up gain ~1%
+ROW_CHUNK = 4096  # rows per chunk of the uncompressed tables and offsets
+
+# Kinds of element: ``commit`` counts each (then a check value), ``sealed`` counts full chunks of each.
+SPACES = (
+    "episodes", "timelines", "tokens", "episode_json", "timeline_json",
+    "steps", "samples", "sample_tokens", "step_json", "sample_json",
+)  # fmt: skip
+
+EPISODE_ROW = np.dtype([("reward", "<f8"), ("started_at", "<f8"), ("ended_at", "<f8"), ("id_hash", "<u8")])
+TIMELINE_ROW = np.dtype(
+    [
+        ("prompt_len", "<i4"),
+        ("n_drift", "<i4"),
+        ("policy_version", "<i8"),
+        ("started_at", "<f8"),
+        ("finished_at", "<f8"),
+    ]
+)
+STEP_ROW = np.dtype([("step", "<i8")])
+SAMPLE_ROW = np.dtype([("policy_version", "<i8"), ("weight", "<f8")])
+
+ROWS = {"episodes": EPISODE_ROW, "timelines": TIMELINE_ROW, "steps": STEP_ROW, "samples": SAMPLE_ROW}
+# name -> (space of its rows, space it points into)
+OFFSETS = {
+    "episode_timeline_offsets": ("episodes", "timelines"),
+    "episode_json_offsets": ("episodes", "episode_json"),
+    "timeline_offsets": ("timelines", "tokens"),
+    "timeline_json_offsets": ("timelines", "timeline_json"),
+    "step_sample_offsets": ("steps", "samples"),
+    "step_json_offsets": ("steps", "step_json"),
+    "sample_token_offsets": ("samples", "sample_tokens"),
+    "sample_json_offsets": ("samples", "sample_json"),
+}
+# name -> (dtype, space)
+SEALED = {
+    "tokens": ("<i4", "tokens"),
+    "logprobs": ("<f4", "tokens"),
+    "loss_mask": ("i1", "tokens"),
+    "authors": ("i1", "tokens"),
+    "episode_json": ("u1", "episode_json"),
+    "timeline_json": ("u1", "timeline_json"),
+    "step_json": ("u1", "step_json"),
+    "sample_json": ("u1", "sample_json"),
+    "sample_tokens": ("<i4", "sample_tokens"),
+    "sample_loss_mask": ("i1", "sample_tokens"),
+    "sample_advantages": ("<f4", "sample_tokens"),
+    "sample_old_logprobs": ("<f4", "sample_tokens"),
+}
+
+
+class StoreError(Exception):
+    """A store that cannot be used as asked; the message names the file and the problem."""
+
+
+def commit_check(counts: np.ndarray) -> int:
+    """The last element of ``commit``: a reader that sees another value read a torn write and retries."""
+    total = 0x5BD1E995
+    for i, count in enumerate(counts.tolist()):
+        total = (total * 0x9E3779B1 + (i + 1) * int(count)) & 0x3FFFFFFFFFFFFFFF
+    return total
+
+
+# ------------------------------------------------------------------------------------------ files
+def create_file(path: Path, chunk_tokens: int) -> None:
+    """Create an empty store at ``path``: written under a temporary name, fsynced, renamed."""
+    if chunk_tokens < 1:
+        raise StoreError(f"{path}: chunk_tokens must be >= 1, got {chunk_tokens}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with h5py.File(tmp, "w", libver="latest", locking=False) as f:
+            f.attrs["layout_version"] = LAYOUT_VERSION
+            f.attrs["chunk_tokens"] = chunk_tokens
+            f.attrs["deflate_level"] = DEFLATE_LEVEL
+            f.attrs["created_at"] = time.time()
+            commit = _fixed(f, "commit", len(SPACES) + 1)
+            commit[:] = np.append(np.zeros(len(SPACES), np.int64), commit_check(np.zeros(len(SPACES))))
+            commit.attrs["spaces"] = json.dumps(SPACES)
+            _fixed(f, "sealed", len(SPACES)).attrs["spaces"] = json.dumps(SPACES)
+            for name, dtype in ROWS.items():
+                f.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(ROW_CHUNK,))
+            for name in OFFSETS:
+                f.create_dataset(name, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,))
+            for name, (dtype, _) in SEALED.items():
+                chunk, wide = chunk_tokens, np.dtype(dtype).itemsize > 1
+                filters = {"shuffle": True} if wide else {}
+                f.create_dataset(
+                    name, (0,), dtype, maxshape=(None,), chunks=(chunk,), compression="gzip",
+                    compression_opts=DEFLATE_LEVEL, **filters,
+                )  # fmt: skip
+                _fixed(f, f"{TAIL}/{name}", 2 * chunk, dtype, chunk)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fixed(
+    f: h5py.File, name: str, size: int, dtype: Any = np.int64, chunk: int | None = None
+) -> h5py.Dataset:
+    """A fixed-size dataset whose chunks are allocated now: rewritten in place, its chunk index never
+    changes (so a reader's cached index never goes stale)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_chunk((chunk or size,))
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_value(np.zeros(1, dtype))
+    space = h5py.h5s.create_simple((size,))
+    group = f.require_group(name.rsplit("/", 1)[0]) if "/" in name else f
+    dsid = h5py.h5d.create(
+        group.id, name.rsplit("/", 1)[-1].encode(), h5py.h5t.py_create(np.dtype(dtype)), space, dcpl=dcpl
+    )
+    return h5py.Dataset(dsid)
+
+
+def open_file(path: Path, *, write: bool) -> h5py.File:
+    """Open a store: for append (``r+``, no chunk cache: every write goes straight to the file) or for SWMR
+    reading. HDF5's file locks are off (they fail on NFS with errno 37, and SWMR does not need them)."""
+    try:
+        if write:
+            handle = h5py.File(path, "r+", libver="latest", locking=False, rdcc_nbytes=0)
+        else:
+            handle = h5py.File(path, "r", libver="latest", swmr=True, locking=False)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: no such store") from None
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open the store: {_why(exc)}") from exc
+    try:
+        check_layout(handle, path)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _why(exc: OSError) -> str:
+    text = str(exc)
+    if "signature" in text or "not an HDF5" in text or "file signature not found" in text:
+        return f"not an HDF5 file ({text})"
+    if "already open for read-only" in text:
+        return f"{text}: close this process's EpisodeReader on it before opening a writer"
+    if "already open for write" in text:
+        return f"{text}: another process writes it without SWMR (one writer per store)"
+    if "errno = 37" in text or "No locks available" in text:
+        return f"{text}: set HDF5_USE_FILE_LOCKING=FALSE on this file system"
+    return text
+
+
+def check_layout(handle: h5py.File, path: Path) -> None:
+    version = handle.attrs.get("layout_version")
+    if version is None or "commit" not in handle:
+        raise StoreError(
+            f"{path}: not a server episode store (no layout_version attribute or commit counter)"
+        )
+    if int(version) != LAYOUT_VERSION:
+        raise StoreError(
+            f"{path}: store layout version {int(version)}, this code reads layout version {LAYOUT_VERSION}; "
+            "read it with the ajet_hpc release that wrote it, or start a new run directory"
+        )
+
+
+def open_for_read(path: Path, wait_s: float = 3.0) -> h5py.File:
+    """Open for SWMR reading; while a writer is switching the file to SWMR (at its start), wait for it."""
+    check_not_truncated(path)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return open_file(path, write=False)
+        except StoreError as exc:
+            if "already open for write" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- a writer that died with the file open
+def writer_identity() -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """The fields of an HDF5 superblock (version 2 or 3, as ``libver="latest"`` writes) we look at."""
+
+    head: bytes  # the checksummed bytes
+    flags: int  # file consistency flags: 1 open for writing, 4 open for SWMR writing
+    eof: int  # end-of-file address at the writer's last flush
+
+
+def read_superblock(path: Path) -> Superblock | None:
+    """The superblock at the start of ``path``; None for the old formats (versions 0, 1: not a store)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: no such store") from None
+    if len(head) < 12 or head[:8] != b"\x89HDF\r\n\x1a\n":
+        raise StoreError(f"{path}: not an HDF5 file (no HDF5 signature at its start)")
+    if head[8] < 2:
+        return None
+    size = head[9]
+    end = 12 + 4 * size
+    if size not in (4, 8) or int.from_bytes(head[end : end + 4], "little") != lookup3(head[:end]):
+        raise StoreError(f"{path}: its HDF5 superblock does not check out; the file is damaged")
+    return Superblock(head[:end], head[11], int.from_bytes(head[12 + 2 * size : 12 + 3 * size], "little"))
+
+
+def check_not_truncated(path: Path) -> None:
+    """Refuse a file shorter than its superblock says (HDF5's SWMR reader would retry its reads for long)."""
+    for _ in range(5):
+        block = read_superblock(path)
+        if block is None or path.stat().st_size >= block.eof:
+            return
+        time.sleep(0.02)  # a live writer extends the file at the end of each flush
+    raise StoreError(
+        f"{path}: truncated: {path.stat().st_size} bytes where its superblock says {block.eof}; "
+        "the file is damaged"
+    )
+
+
+def clear_stale_write_flags(path: Path) -> None:
+    """Clear the "open for writing" flags a killed writer left in the superblock (what ``h5clear -s`` does),
+    after checking that the writer that set them is not alive on this host."""
+    block = read_superblock(path)
+    if block is None or block.flags == 0:
+        return
+    _refuse_live_writer(path)
+    log.warning("%s: the last writer did not close it (killed?); clearing its write flags", path)
+    fixed = block.head[:11] + b"\x00" + block.head[12:]
+    with open(path, "rb+") as handle:
+        handle.write(fixed + lookup3(fixed).to_bytes(4, "little"))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _refuse_live_writer(path: Path) -> None:
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as handle:
+            owner = json.loads(str(handle.attrs.get("writer", "{}")))
+    except (OSError, ValueError):
+        return  # not readable (killed before SWMR started): nobody can be writing it through SWMR either
+    if owner.get("host") != socket.gethostname() or owner.get("pid") in (None, os.getpid()):
+        return
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        pass
+    raise StoreError(
+        f"{path}: process {owner['pid']} on this host still has it open for writing; one writer per store"
+    )
+
+
+_MASK = 0xFFFFFFFF
+_MIX = ((0, 2, 1, 4), (1, 0, 2, 6), (2, 1, 0, 8), (0, 2, 1, 16), (1, 0, 2, 19), (2, 1, 0, 4))
+_FINAL = ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14), (2, 1, 24))
+
+
+def _rot(x: int, k: int) -> int:
+    return ((x << k) | (x >> (32 - k))) & _MASK
+
+
+def lookup3(data: bytes, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 ``hashlittle``: the checksum of HDF5's superblock and metadata."""
+    v = [(0xDEADBEEF + len(data) + initval) & _MASK] * 3
+    padded = data + bytes(-len(data) % 12)
+    for start in range(0, len(padded), 12):
+        v = [
+            (v[j] + int.from_bytes(padded[start + 4 * j : start + 4 * j + 4], "little")) & _MASK
+            for j in range(3)
+        ]
+        if start + 12 < len(padded):
+            for x, y, z, k in _MIX:
+                v[x] = ((v[x] - v[y]) & _MASK) ^ _rot(v[y], k)
+                v[y] = (v[y] + v[z]) & _MASK
+        else:
+            for x, y, k in _FINAL:
+                v[x] = ((v[x] ^ v[y]) - _rot(v[y], k)) & _MASK
+    return v[2]
+
+
+# ------------------------------------------------------------------------------------ sealed columns
+def write_at(ds: h5py.Dataset, start: int, values: np.ndarray) -> None:
+    """``ds[start:start + len(values)] = values``, growing ``ds`` if needed, through h5py's low-level API
+    (a quarter of the high-level call's overhead, which dominates the cost of a small append)."""
+    n = len(values)
+    if n == 0:
+        return
+    dsid = ds.id
+    if dsid.shape[0] < start + n:
+        dsid.set_extent((start + n,))
+    file_space = dsid.get_space()
+    file_space.select_hyperslab((start,), (n,))
+    data = np.ascontiguousarray(values, ds.dtype)
+    file_type = dsid.get_type()  # our arrays have the file's layout: no conversion (half the cost of a row)
+    mem_type = file_type if file_type.get_size() == data.dtype.itemsize else None
+    dsid.write(h5py.h5s.create_simple((n,)), file_space, data, mtype=mem_type)
+
+
+def open_uncached(handle: h5py.File, name: str) -> h5py.Dataset:
+    """``name`` opened without a chunk cache: it is rewritten in place, a cached chunk could be stale."""
+    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    dapl.set_chunk_cache(0, 0, 1.0)
+    return h5py.Dataset(h5py.h5d.open(handle.id, name.encode(), dapl=dapl))
+
+
+@dataclass
+class SealedColumn:
+    """One compressed column, writer side: full chunks compressed once into the column, the open chunk in
+    its tail slot. ``stage`` fills the chunk and seals it when full; ``write_tail`` writes what is new."""
+
+    main: h5py.Dataset
+    tail: h5py.Dataset
+    space: str
+    chunk: int
+
+    def __post_init__(self) -> None:
+        self.buf = np.zeros(self.chunk, self.main.dtype)
+        self.fill = self.sealed = self._clean = 0
+        self._shuffle, self._level = _filters(self.main)
+
+    def recover(self, count: int, sealed_on_disk: int) -> None:
+        """Continue after ``count`` committed elements. The open chunk's committed part is in its tail slot,
+        unless a failed append sealed that chunk (``sealed_on_disk`` is past it): then the slot may have been
+        reused, and the column holds it. Either way it is written back to the slot, where readers look."""
+        self.sealed, self.fill = divmod(count, self.chunk)
+        base, start = (self.sealed % 2) * self.chunk, self.sealed * self.chunk
+        if self.fill:
+            source = self.main[start : start + self.fill] if sealed_on_disk > self.sealed else None
+            self.buf[: self.fill] = source if source is not None else self.tail[base : base + self.fill]
+            write_at(self.tail, base, self.buf[: self.fill])
+        self._clean = self.fill
+
+    def drop_unsealed(self) -> None:
+        """Shrink the column to its sealed chunks (after ``sealed`` says so: readers never look past it)."""
+        self.main.resize((self.sealed * self.chunk,))
+
+    def stage(self, values: np.ndarray) -> bool:
+        """Add ``values``; True when a chunk was sealed (then ``sealed`` is flushed before ``write_tail``)."""
+        pos, sealed = 0, False
+        while pos < len(values):
+            take = min(self.chunk - self.fill, len(values) - pos)
+            self.buf[self.fill : self.fill + take] = values[pos : pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.chunk:
+                k = self.sealed
+                self.main.resize(((k + 1) * self.chunk,))
+                self.main.id.write_direct_chunk((k * self.chunk,), self._compress(), 0)
+                self.sealed, self.fill, self._clean, sealed = k + 1, 0, 0, True
+        return sealed
+
+    def write_tail(self) -> None:
+        if self.fill > self._clean:
+            write_at(
+                self.tail, (self.sealed % 2) * self.chunk + self._clean, self.buf[self._clean : self.fill]
+            )
+            self._clean = self.fill
+
+    def _compress(self) -> bytes:
+        data = self.buf
+        raw = data.view(np.uint8).reshape(-1, data.itemsize).T.tobytes() if self._shuffle else data.tobytes()
+        return zlib.compress(raw, self._level)
+
+
+def _filters(dataset: h5py.Dataset) -> tuple[bool, int]:
+    """(shuffle?, deflate level) of a sealed column, read from the file: chunks are written pre-filtered."""
+    dcpl = dataset.id.get_create_plist()
+    codes = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
+    names = [code for code, *_ in codes]
+    if names not in ([h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_DEFLATE], [h5py.h5z.FILTER_DEFLATE]):
+        raise StoreError(f"{dataset.file.filename}: column {dataset.name} has unexpected filters {names}")
+    return names[0] == h5py.h5z.FILTER_SHUFFLE, int(codes[-1][2][0])
+
+
+@dataclass
+class SealedReader:
+    """One compressed column, reader side."""
+
+    main: h5py.Dataset
+    tail: h5py.Dataset
+    space: str
+    chunk: int
+    fresh_for: int = 0  # the main column was refreshed when this many chunks were known sealed
+
+    def read(self, start: int, stop: int, sealed: int) -> tuple[np.ndarray, int | None]:
+        """Elements ``[start, stop)`` given ``sealed`` full chunks; and the chunk read from a tail slot."""
+        if start >= stop:
+            return np.zeros(0, self.main.dtype), None
+        edge = sealed * self.chunk
+        parts = []
+        if start < edge:
+            end = min(stop, edge)
+            if (end - 1) // self.chunk >= self.fresh_for:
+                self.main.refresh()
+                self.fresh_for = sealed
+            parts.append(self.main[start:end])
+        if stop <= edge:
+            return parts[0] if parts else np.zeros(0, self.main.dtype), None
+        base = (sealed % 2) * self.chunk - edge
+        parts.append(self.tail[base + max(start, edge) : base + stop])
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)), sealed
+
+
+# --------------------------------------------------------------------------- records onto the layout
+@dataclass
+class Append:
+    """One append, encoded before the file is touched: elements per space, rows, offsets, column values."""
+
+    counts: dict[str, int]
+    rows: dict[str, np.ndarray]
+    lengths: dict[str, np.ndarray]  # offsets dataset -> length of each new row in its target space
+    columns: dict[str, np.ndarray]
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_plain).encode()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
+    return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
+
+
+def id_hash(episode_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little")
+
+
+def encode_episode(record: EpisodeRecord) -> Append:
+    """An episode as rows, offsets and column values (raises ValueError / TypeError if it cannot be)."""
+    if record.state not in CLOSED_STATES:
+        raise ValueError(
+            f"state {record.state!r}: only closed episodes ({', '.join(CLOSED_STATES)}) are stored"
+        )
+    timelines = record.timelines
+    prompt = [len(t.prompt_ids) for t in timelines]
+    lengths = [p + len(t.response_ids) for p, t in zip(prompt, timelines, strict=True)]
+    for i, (t, n) in enumerate(zip(timelines, lengths, strict=True)):
+        if (
+            len(t.token_authors) != n
+            or len(t.loss_mask) != n
+            or len(t.response_logprobs) != len(t.response_ids)
+        ):
+            raise ValueError(f"timeline {i} has authors, loss mask or logprobs of the wrong length")
+    logprobs = np.zeros(sum(lengths), np.float32)
+    for start, p, n, t in zip(np.cumsum([0, *lengths]).tolist(), prompt, lengths, timelines, strict=False):
+        logprobs[start + p : start + n] = t.response_logprobs
+    timeline_json = [
+        _json(
+            {
+                "messages": t.messages,
+                "tools": t.tools,
+                "finish_reason": t.finish_reason,
+                "drift": [
+                    {"message_index": d.message_index, "kind": d.kind, "detail": d.detail} for d in t.drift
+                ],
+                "reused_spans": [[int(a), int(b)] for a, b in t.reused_spans],
+            }
+        )
+        for t in timelines
+    ]
+    episode_json = _json(
+        {
+            "episode_id": record.episode_id,
+            "model": record.model,
+            "task_id": record.task_id,
+            "group": record.group,
+            "state": record.state,
+            "reason": record.reason,
+            "metadata": record.metadata,
+            "turn_rewards": record.turn_rewards,
+        }
+    )
+    reward = math.nan if record.reward is None else float(record.reward)
+    episode_row = np.array(
+        [(reward, record.started_at, record.ended_at, id_hash(record.episode_id))], ROWS["episodes"]
+    )
+    timeline_rows = np.array(
+        [
+            (p, len(t.drift), t.policy_version, t.started_at, t.finished_at)
+            for p, t in zip(prompt, timelines, strict=True)
+        ],
+        ROWS["timelines"],
+    )
+    joined = b"".join(timeline_json)
+    return Append(
+        counts={
+            "episodes": 1,
+            "timelines": len(timelines),
+            "tokens": len(logprobs),
+            "episode_json": len(episode_json),
+            "timeline_json": len(joined),
+        },
+        rows={"episodes": episode_row, "timelines": timeline_rows},
+        lengths={
+            "episode_timeline_offsets": np.array([len(timelines)]),
+            "episode_json_offsets": np.array([len(episode_json)]),
+            "timeline_offsets": np.array(lengths, np.int64),
+            "timeline_json_offsets": np.array([len(j) for j in timeline_json], np.int64),
+        },
+        columns={
+            "tokens": _cat([x for t in timelines for x in (t.prompt_ids, t.response_ids)], np.int32),
+            "logprobs": logprobs,
+            "loss_mask": _cat([t.loss_mask for t in timelines], np.int8),
+            "authors": _cat([t.token_authors for t in timelines], np.int8),
+            "episode_json": np.frombuffer(episode_json, np.uint8),
+            "timeline_json": np.frombuffer(joined, np.uint8),
+        },
+    )
+
+
+def encode_step(record: StepRecord) -> Append:
+    """A training step as rows, offsets and column values."""
+    samples = record.samples
+    lengths = np.array([len(s.token_ids) for s in samples], np.int64)
+    sample_json = [_json({"episode_id": s.episode_id, "task_id": s.task_id}) for s in samples]
+    step_json = _json({"metrics": record.metrics})
+    joined = b"".join(sample_json)
+    return Append(
+        counts={
+            "steps": 1,
+            "samples": len(samples),
+            "sample_tokens": int(lengths.sum()),
+            "step_json": len(step_json),
+            "sample_json": len(joined),
+        },
+        rows={
+            "steps": np.array([(int(record.step),)], ROWS["steps"]),
+            "samples": np.array([(s.policy_version, s.weight) for s in samples], ROWS["samples"]),
+        },
+        lengths={
+            "step_sample_offsets": np.array([len(samples)]),
+            "step_json_offsets": np.array([len(step_json)]),
+            "sample_token_offsets": lengths,
+            "sample_json_offsets": np.array([len(j) for j in sample_json], np.int64),
+        },
+        columns={
+            "sample_tokens": _cat([s.token_ids for s in samples], np.int32),
+            "sample_loss_mask": _cat([s.loss_mask for s in samples], np.int8),
+            "sample_advantages": _cat([s.advantages for s in samples], np.float32),
+            "sample_old_logprobs": _cat([s.old_logprobs for s in samples], np.float32),
+            "step_json": np.frombuffer(step_json, np.uint8),
+            "sample_json": np.frombuffer(joined, np.uint8),
+        },
+    )

@@ -1,0 +1,402 @@
+"""The client store on real files: commit, reopen, skip; recovery after truncation, SIGKILL, threads.
+
+Truncation coverage: the journal is cut at *every* byte offset and read back through the recovery path of
+``ClientStore.open`` (``read_results``: the same reading and merging, no repair writes); ``ClientStore.open``
+itself (repairing both files, then committing on) runs at every interesting offset: each record boundary
+-1/0/+1 and the middle of each record. The HDF5 file is cut at every byte of its first KiB, every 61st after.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import h5py
+import pytest
+
+from ajet_hpc.storage import client_store
+from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, journal_path, read_results
+
+GROUP, INDEX = "workers", 3
+COMMITS = 20
+
+
+def make_result(i: int) -> Result:
+    """The i-th result of the tests: two repeats per task, some without transcript, one of 3 KB."""
+    transcript = (
+        None if i % 5 == 0 else f"user: solve {i} (é, 🙂)\nassistant: " + "x" * (3000 if i == 7 else 9 * i)
+    )
+    return Result(
+        task_id=f"task-{i // 2}",
+        repeat=i % 2,
+        reward=i / 7,
+        rewards={"policy": i / 7, "critic": -1.5},
+        episode_ids={"policy": f"ep-{i}-p", "critic": f"ep-{i}-c"},
+        transcript=transcript,
+        metadata={"i": i, "nested": {"list": [1, 2.5, None, "s"]}},
+        finished_at=1_700_000_000.0 + i,
+    )
+
+
+def record_ends(data: bytes) -> list[int]:
+    """Where each journal record ends (documented frame: magic, u32 length, u32 crc, payload); [0] is the
+    header's."""
+    ends, offset = [], 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<I", data, offset + 4)
+        offset += 12 + length
+        ends.append(offset)
+    assert offset == len(data)
+    return ends
+
+
+def hdf5_task_ids(path: Path) -> list[tuple[str, int]]:
+    with h5py.File(path, "r", locking=False) as handle:
+        count = int(handle.attrs["committed"])
+        assert all(len(handle[name]) == count for name in ("task_id", "repeat", "transcript"))
+        return list(zip(handle["task_id"].asstr()[...], handle["repeat"][...].tolist(), strict=True))
+
+
+class Written:
+    """A closed store with COMMITS results, and the bytes of both its files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "clients" / GROUP / f"{INDEX}.h5"
+        self.journal = journal_path(self.path)
+        self.results = [make_result(i) for i in range(COMMITS)]
+        with ClientStore.open(self.path, group=GROUP, index=INDEX) as store:
+            for result in self.results:
+                store.commit(result)
+        self.journal_bytes = self.journal.read_bytes()
+        self.hdf5_bytes = self.path.read_bytes()
+        self.ends = record_ends(self.journal_bytes)
+        assert len(self.ends) == COMMITS + 1
+
+    def committed_before(self, cut: int) -> list[Result]:
+        """The results whose journal record ends at or before byte ``cut``."""
+        return [result for result, end in zip(self.results, self.ends[1:], strict=True) if end <= cut]
+
+    def restore(self, journal_cut: int | None = None, hdf5_cut: int | None = None) -> None:
+        """Both files as written, cut where asked; a cut of -1 removes the file."""
+        for target, data, cut in (
+            (self.journal, self.journal_bytes, journal_cut),
+            (self.path, self.hdf5_bytes, hdf5_cut),
+        ):
+            if cut == -1:
+                target.unlink(missing_ok=True)
+            else:
+                target.write_bytes(data if cut is None else data[:cut])
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> Written:
+    return Written(tmp_path)
+
+
+def names(path: Path) -> str:
+    return re.escape(str(path))
+
+
+# --- the plain path -------------------------------------------------------------------------------------
+
+
+def test_commit_reopen_and_skip(tmp_path: Path) -> None:
+    path = tmp_path / "clients" / GROUP / f"{INDEX}.h5"
+    store = ClientStore.open(path, group=GROUP, index=INDEX)
+    assert store.path == path and store.committed() == set() and store.results() == []
+    for i in range(5):
+        store.commit(make_result(i))
+    assert store.committed() == {make_result(i).key for i in range(5)}
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        store.commit(make_result(9))
+
+    with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+        assert store.results() == [make_result(i) for i in range(5)]  # in commit order, exactly as committed
+        todo = [i for i in range(8) if make_result(i).key not in store.committed()]
+        assert todo == [5, 6, 7]
+        for i in todo:
+            store.commit(make_result(i))
+    assert [result.key for result in read_results(path)] == [make_result(i).key for i in range(8)]
+    assert hdf5_task_ids(path) == [make_result(i).key for i in range(8)]  # the HDF5 view is up to date
+
+
+def test_duplicate_and_unstorable_commits_are_refused_and_write_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "0.h5"
+    with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+        store.commit(make_result(0))
+        size = journal_path(path).stat().st_size
+        with pytest.raises(ValueError, match=r"already committed"):
+            store.commit(make_result(0))
+        bad = Result("t", 0, 1.0, {}, {}, None, {"not json": object()}, 0.0)
+        with pytest.raises(TypeError):
+            store.commit(bad)
+        assert journal_path(path).stat().st_size == size
+        store.commit(Result("t", 0, 1, {"m": 1}, {}, None, {}, 5))  # ints stored as floats
+    with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+        with pytest.raises(ValueError, match=r"already committed"):
+            store.commit(make_result(0))
+        assert store.results()[1] == Result("t", 0, 1.0, {"m": 1.0}, {}, None, {}, 5.0)
+
+
+def test_group_or_index_mismatch_names_both(written: Written) -> None:
+    with pytest.raises(
+        StoreCorrupt, match=rf"{names(written.path)}.*group 'workers' index 3.*group 'other' index 3"
+    ):
+        ClientStore.open(written.path, group="other", index=INDEX)
+    with pytest.raises(StoreCorrupt, match=r"group 'workers' index 3.*group 'workers' index 4"):
+        ClientStore.open(written.path, group=GROUP, index=4)
+
+
+# --- truncation -----------------------------------------------------------------------------------------
+
+
+def test_journal_cut_at_every_offset_keeps_exactly_the_records_before_the_cut(written: Written) -> None:
+    """HDF5 file lost too: the journal alone decides. Below the header's end: StoreCorrupt naming the file."""
+    written.path.unlink()
+    for cut in range(len(written.journal_bytes) + 1):
+        written.journal.write_bytes(written.journal_bytes[:cut])
+        if cut < written.ends[0]:
+            with pytest.raises(StoreCorrupt, match=rf"{names(written.path)}: the store header is gone"):
+                read_results(written.path)
+        else:
+            assert read_results(written.path) == written.committed_before(cut), cut
+
+
+def test_open_after_a_journal_cut_repairs_both_files_and_commits_on(written: Written) -> None:
+    size = len(written.journal_bytes)
+    cuts = {0, 1, written.ends[0] - 1} | {end + step for end in written.ends for step in (-1, 0, 1)}
+    cuts |= {(start + end) // 2 for start, end in zip(written.ends, written.ends[1:], strict=False)}
+    extra = Result("after-the-cut", 0, 0.5, {}, {}, "t", {}, 1.0)
+    for cut in sorted(c for c in cuts if 0 <= c <= size):
+        written.restore(journal_cut=cut, hdf5_cut=-1)
+        if cut < written.ends[0]:
+            with pytest.raises(StoreCorrupt, match=names(written.path)):
+                ClientStore.open(written.path, group=GROUP, index=INDEX)
+            continue
+        expected = written.committed_before(cut)
+        with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+            assert store.results() == expected, cut
+            store.commit(extra)
+        assert hdf5_task_ids(written.path) == [result.key for result in [*expected, extra]]
+        written.path.unlink()  # the repaired journal alone holds everything, the new commit after the rest
+        assert read_results(written.path) == [*expected, extra], cut
+
+
+def test_hdf5_cut_anywhere_is_rebuilt_from_the_journal(written: Written) -> None:
+    size = len(written.hdf5_bytes)
+    for cut in [*range(1024), *range(1024, size, 61)]:
+        written.restore(hdf5_cut=cut)
+        assert read_results(written.path) == written.results, cut
+    for cut in range(0, size, size // 25):
+        written.restore(hdf5_cut=cut)
+        with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+            assert store.results() == written.results
+        assert hdf5_task_ids(written.path) == [result.key for result in written.results]
+
+
+def test_both_files_cut_keep_the_journal_prefix(written: Written) -> None:
+    for journal_cut in (written.ends[0], written.ends[6] - 3, written.ends[6], written.ends[6] + 5):
+        for hdf5_cut in (0, 700, len(written.hdf5_bytes) // 2, len(written.hdf5_bytes) - 1):
+            written.restore(journal_cut, hdf5_cut)
+            with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+                assert store.results() == written.committed_before(journal_cut)
+
+
+def test_an_intact_hdf5_file_makes_up_for_a_cut_journal(written: Written) -> None:
+    for cut in (0, 5, written.ends[0] - 1, written.ends[3], written.ends[3] + 1, written.ends[-1] - 1):
+        written.restore(journal_cut=cut)
+        assert read_results(written.path) == written.results
+    written.restore(journal_cut=written.ends[3] + 1)
+    with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+        assert store.results() == written.results
+    written.path.unlink()
+    assert read_results(written.path) == written.results  # the journal was rewritten whole
+
+
+def test_a_lagging_hdf5_file_is_brought_up_to_date(written: Written) -> None:
+    with h5py.File(written.path, "r+", locking=False) as handle:
+        for name in handle:
+            handle[name].resize((10,))
+        handle.attrs["committed"] = 10
+    assert read_results(written.path) == written.results
+    with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+        assert store.results() == written.results
+    assert hdf5_task_ids(written.path) == [result.key for result in written.results]
+
+
+def test_hdf5_rows_past_the_counter_or_failing_their_checksum_are_dropped(written: Written) -> None:
+    with h5py.File(written.path, "r+", locking=False) as handle:
+        for name in handle:
+            handle[name].resize((COMMITS + 1,))
+        handle["task_id"][COMMITS] = "torn"
+        handle["reward"][3] = 99.0
+    written.journal.write_bytes(written.journal_bytes[: written.ends[5]])  # results 0..4 in the journal
+    with ClientStore.open(written.path, group=GROUP, index=INDEX) as store:
+        assert store.results() == written.results[:5]  # the journal's; HDF5 row 3 failed its checksum
+    assert hdf5_task_ids(written.path) == [result.key for result in written.results[:5]]
+
+
+def test_header_gone_raises_store_corrupt_naming_the_file(written: Written) -> None:
+    for journal_cut in (0, 5, written.ends[0] - 1):
+        for hdf5_cut in (-1, 0, 8, 1000):
+            written.restore(journal_cut, hdf5_cut)
+            with pytest.raises(StoreCorrupt, match=rf"{names(written.path)}: the store header is gone"):
+                ClientStore.open(written.path, group=GROUP, index=INDEX)
+
+
+def test_garbage_files_raise_store_corrupt(written: Written) -> None:
+    rng = random.Random(1)
+    written.restore(journal_cut=-1)
+    written.path.write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
+    with pytest.raises(StoreCorrupt, match=names(written.path)):
+        ClientStore.open(written.path, group=GROUP, index=INDEX)
+    written.restore()
+    written.journal.write_bytes(b"#!" + bytes(rng.randrange(256) for _ in range(4096)))
+    with pytest.raises(StoreCorrupt, match=rf"{names(written.journal)}: not a client store journal"):
+        ClientStore.open(written.path, group=GROUP, index=INDEX)
+
+
+def test_a_damaged_record_with_records_after_it_is_not_taken_for_a_torn_tail(written: Written) -> None:
+    data = bytearray(written.journal_bytes)
+    data[written.ends[5] + 20] ^= 0x01
+    written.journal.write_bytes(bytes(data))
+    written.path.unlink()
+    with pytest.raises(
+        StoreCorrupt, match=rf"{names(written.journal)}: damaged record at byte {written.ends[5]}"
+    ):
+        ClientStore.open(written.path, group=GROUP, index=INDEX)
+
+
+# --- crashes and threads --------------------------------------------------------------------------------
+
+WRITER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from test_client_store import GROUP, INDEX, make_result
+from ajet_hpc.storage import client_store
+from ajet_hpc.storage.client_store import ClientStore
+
+store = ClientStore.open(Path(sys.argv[1]), group=GROUP, index=INDEX)
+done = store.committed()
+for i in range(100_000):
+    if make_result(i).key not in done:
+        store.commit(make_result(i))
+        print(i, flush=True)
+"""
+
+
+def test_sigkill_mid_commit_loop_loses_no_reported_commit(tmp_path: Path) -> None:
+    path = tmp_path / f"{INDEX}.h5"
+    reported: set[int] = set()
+    rng = random.Random(7)
+    for stop_after in (1, 3, 8, 13, 25, 40, 60, 90):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), str(Path(__file__).parent)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert writer.stdout is not None
+        seen = 0
+        while seen < stop_after:
+            line = writer.stdout.readline()
+            assert line, f"the writer stopped early: {writer.communicate()[1]}"
+            reported.add(int(line))
+            seen += 1
+        threading.Event().wait(rng.uniform(0, 0.01))
+        os.kill(writer.pid, signal.SIGKILL)
+        out, _ = writer.communicate()
+        reported |= {int(line) for line in out.split()}
+        assert writer.returncode == -signal.SIGKILL
+        with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+            results = store.results()
+        indices = [result.metadata["i"] for result in results]
+        assert results == [make_result(i) for i in indices]  # nothing torn
+        assert reported <= set(indices)  # every reported commit survived
+        assert len(set(indices) - reported) <= 1  # at most the one in flight, durable before its print
+        reported = set(indices)
+
+
+def test_eight_threads_commit_concurrently(tmp_path: Path) -> None:
+    path = tmp_path / "0.h5"
+    store = ClientStore.open(path, group=GROUP, index=INDEX)
+    shared = make_result(10_000)
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def work(thread: int) -> None:
+        barrier.wait()
+        try:
+            store.commit(shared)
+            outcomes.append("won")
+        except ValueError:
+            outcomes.append("refused")
+        for i in range(10):
+            store.commit(make_result(thread * 10 + i))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.close()
+    assert sorted(outcomes) == ["refused"] * 7 + ["won"]
+    expected = {make_result(i).key for i in range(80)} | {shared.key}
+    assert store.committed() == expected
+    path.unlink()  # the journal alone: one whole record per commit
+    assert sorted(result.key for result in read_results(path)) == sorted(expected)
+    assert len(record_ends(journal_path(path).read_bytes())) == 82
+
+
+def test_a_failed_append_leaves_no_torn_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "0.h5"
+    store = ClientStore.open(path, group=GROUP, index=INDEX)
+    for i in range(3):
+        store.commit(make_result(i))
+    size = journal_path(path).stat().st_size
+    real_write = os.write
+
+    def half_then_full_disk(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full_disk)
+    with pytest.raises(OSError, match="No space"):
+        store.commit(make_result(3))
+    monkeypatch.undo()
+    assert journal_path(path).stat().st_size == size
+    with pytest.raises(RuntimeError, match="reopen"):
+        store.commit(make_result(4))
+    store.close()
+    with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+        assert store.results() == [make_result(i) for i in range(3)]
+        store.commit(make_result(3))
+
+
+def test_a_failed_hdf5_append_keeps_the_commit_and_the_view_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "0.h5"
+    with ClientStore.open(path, group=GROUP, index=INDEX) as store:
+        store.commit(make_result(0))
+
+        def broken(self: object, result: Result) -> None:
+            raise OSError("HDF5 write failed")
+
+        monkeypatch.setattr(client_store._Hdf5View, "append", broken)
+        store.commit(make_result(1))  # durable in the journal: the commit stands
+        store.commit(make_result(2))
+        monkeypatch.undo()
+        assert store.committed() == {make_result(i).key for i in range(3)}
+    assert hdf5_task_ids(path) == [make_result(i).key for i in range(3)]  # rebuilt on close

@@ -1,0 +1,464 @@
+"""The server store on real HDF5 files: round trips, random access, concurrent readers, crashes, bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.server.episodes import Episode
+from ajet_hpc.storage import episode_store
+from ajet_hpc.storage.episode_store import (
+    LAYOUT_VERSION,
+    EpisodeReader,
+    EpisodeRecord,
+    EpisodeWriter,
+    StepRecord,
+    StoreError,
+)
+from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, DriftEvent, Timeline
+
+HERE = Path(__file__).resolve().parent
+SUMMARY_KEYS = {
+    "index", "episode_id", "task_id", "group", "state", "reward", "turn_rewards", "calls", "tokens", "drift",
+    "policy_versions", "started_at", "ended_at", "reason", "metadata",
+}  # fmt: skip
+
+
+def make_record(i: int, turns: int = 5, answer: int = 7, tool: int = 11) -> EpisodeRecord:
+    """Episode ``i`` of an agent with ``turns`` calls; deterministic, logprobs exact in float32."""
+    rng = random.Random(i)
+    ids = [rng.randrange(50_000) for _ in range(12)]
+    authors = [SYSTEM] * 6 + [USER] * 6
+    messages = [{"role": "system", "content": f"sys {i}"}, {"role": "user", "content": f"task {i} ✓"}]
+    spans: list[tuple[int, int]] = []
+    timelines = []
+    for turn in range(turns):
+        response = [rng.randrange(50_000) for _ in range(answer)]
+        reply = {"role": "assistant", "content": f"answer {i}.{turn}"}
+        drift = [DriftEvent(len(messages) - 1, "context_retokenized", f"d{i}")] if turn == 2 else []
+        timelines.append(
+            Timeline(
+                prompt_ids=list(ids),
+                response_ids=response,
+                response_logprobs=[-rng.randrange(64) / 8 for _ in response],
+                token_authors=[*authors, *[MODEL] * answer],
+                loss_mask=[0] * len(ids) + [1] * answer,
+                messages=[*messages, reply],
+                tools=[{"type": "function", "function": {"name": "look"}}] if i % 2 else None,
+                policy_version=i // 4 + turn // 3,
+                finish_reason="stop" if turn == turns - 1 else "tool_calls",
+                drift=drift,
+                reused_spans=list(spans),
+                started_at=1000.0 + i + turn / 10,
+                finished_at=1000.05 + i + turn / 10,
+            )
+        )
+        spans.append((len(ids), len(ids) + answer))
+        ids += response + [rng.randrange(50_000) for _ in range(tool)]
+        authors += [MODEL] * answer + [TOOL] * tool
+        messages += [reply, {"role": "tool", "content": f"out {turn}"}]
+    return EpisodeRecord(
+        episode_id=f"ep-{i}",
+        model="policy",
+        task_id=f"task-{i // 4}" if i % 7 else None,
+        group="math" if i % 3 else None,
+        state=("finished", "aborted", "dropped")[i % 3],
+        reward=None if i % 3 else i / 4,
+        turn_rewards=[t / 2 for t in range(turns)] if i % 5 == 0 else None,
+        reason=None if i % 3 == 0 else f"reason {i}",
+        metadata={"i": i, "nested": {"k": [1, 2]}},
+        started_at=1000.0 + i,
+        ended_at=1001.5 + i,
+        timelines=timelines,
+    )
+
+
+def make_step(step: int, n: int = 3) -> StepRecord:
+    samples = [
+        Sample(
+            token_ids=list(range(step, step + 5 + k)),
+            loss_mask=[0, 0] + [1] * (3 + k),
+            old_logprobs=[0.0, 0.0] + [-0.5] * (3 + k),
+            advantages=[0.0, 0.0] + [(-1) ** k * 0.25] * (3 + k),
+            policy_version=step,
+            episode_id=f"ep-{k % 2}",
+            task_id=f"task-{k}",
+            weight=1.0 / (k + 1),
+        )
+        for k in range(n)
+    ]
+    return StepRecord(step=step, metrics={"step": step, "reward_mean": 0.5, "loss": -0.125}, samples=samples)
+
+
+@pytest.fixture(params=[8, 65536], ids=["tiny-chunks", "default-chunks"])
+def chunk_tokens(request) -> int:
+    """Tiny chunks put episodes across sealed chunks and tail slots; the default keeps them in one."""
+    return request.param
+
+
+# ------------------------------------------------------------------------------------------ round trips
+def test_five_turn_episode_round_trip(tmp_path: Path, chunk_tokens: int) -> None:
+    path = tmp_path / "data" / "policy.h5"
+    records = [make_record(i) for i in range(4)]
+    with EpisodeWriter(path, chunk_tokens=chunk_tokens) as writer:
+        for record in records:
+            writer.append_episode(record)
+    with EpisodeReader(path) as reader:
+        assert len(reader) == 4
+        for record in records:
+            got = reader.episode(record.episode_id)
+            assert got == record  # tokens, logprobs, masks, authors, messages, tools, drift, spans, times
+        five = reader.episode("ep-0")
+        assert len(five.timelines) == 5 and five.timelines[2].drift[0].kind == "context_retokenized"
+        assert five.timelines[4].reused_spans == [(12, 19), (30, 37), (48, 55), (66, 73)]
+        summary = reader.summaries()[1]
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["episode_id"] == "ep-1" and summary["index"] == 1
+    assert summary["calls"] == 5 and summary["drift"] == 1
+    assert summary["tokens"] == sum(len(t.token_ids) for t in records[1].timelines)
+    assert summary["policy_versions"] == [0, 1] and summary["state"] == "aborted"
+    assert summary["reward"] is None and summary["reason"] == "reason 1"
+
+
+def test_episode_without_timelines(tmp_path: Path) -> None:
+    record = make_record(3, turns=0)
+    with EpisodeWriter(tmp_path / "s.h5") as writer:
+        writer.append_episode(record)
+    with EpisodeReader(tmp_path / "s.h5") as reader:
+        assert reader.episode("ep-3") == record
+        assert reader.summaries()[0]["calls"] == 0 and reader.summaries()[0]["tokens"] == 0
+
+
+def test_logprobs_are_stored_as_float32(tmp_path: Path) -> None:
+    record = make_record(1, turns=1)
+    record.timelines[0].response_logprobs[0] = -0.1
+    with EpisodeWriter(tmp_path / "s.h5") as writer:
+        writer.append_episode(record)
+    with EpisodeReader(tmp_path / "s.h5") as reader:
+        got = reader.episode("ep-1").timelines[0].response_logprobs[0]
+    assert got != -0.1 and got == pytest.approx(-0.1, abs=1e-7)
+
+
+def test_step_round_trip(tmp_path: Path, chunk_tokens: int) -> None:
+    path = tmp_path / "s.h5"
+    with EpisodeWriter(path, chunk_tokens=chunk_tokens) as writer:
+        writer.append_episode(make_record(0))
+        writer.append_step(make_step(1))
+        writer.append_step(make_step(2, n=4))
+        writer.append_step(StepRecord(step=3, metrics={"skipped": True}, samples=[]))
+    with EpisodeReader(path) as reader:
+        steps = reader.steps()
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert steps[1]["metrics"] == make_step(2).metrics
+        assert steps[1]["n_samples"] == 4 and steps[1]["episode_ids"] == ["ep-0", "ep-1"]
+        assert steps[2]["n_samples"] == 0 and steps[2]["episode_ids"] == []
+        assert reader.step_samples(2) == make_step(2, n=4).samples
+        assert reader.step_samples(3) == []
+        with pytest.raises(KeyError, match="no step 9"):
+            reader.step_samples(9)
+        assert len(reader) == 1  # steps do not count as episodes
+
+
+def test_a_step_recorded_twice_reads_as_its_latest(tmp_path: Path) -> None:
+    """A resumed trainer may redo a step that was recorded before its checkpoint was lost."""
+    with EpisodeWriter(tmp_path / "s.h5") as writer:
+        writer.append_step(make_step(5, n=2))
+        writer.append_step(make_step(5, n=3))
+    with EpisodeReader(tmp_path / "s.h5") as reader:
+        assert [s["n_samples"] for s in reader.steps()] == [2, 3]
+        assert len(reader.step_samples(5)) == 3
+
+
+def test_record_from_a_closed_episode() -> None:
+    timelines = make_record(2).timelines
+    tracker = type("Tracker", (), {"timelines": timelines})()
+    episode = Episode(episode_id="ep-x", model="policy", tracker=tracker, task_id="t", group="g")  # type: ignore[arg-type]
+    episode.state, episode.reward, episode.ended_at, episode.metadata = "finished", 1.0, 5.0, {"a": 1}
+    record = EpisodeRecord.from_episode(episode)
+    assert record.timelines == timelines and record.state == "finished" and record.reward == 1.0
+    assert record.ended_at == 5.0 and record.started_at == episode.started_at and record.metadata == {"a": 1}
+    assert record.model == "policy" and record.task_id == "t" and record.group == "g"
+
+
+# ------------------------------------------------------------------------------------- random access
+def test_many_episodes_random_access_by_id(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    n = 400
+    with EpisodeWriter(path, chunk_tokens=64) as writer:
+        for i in range(n):
+            writer.append_episode(make_record(i, turns=1 + i % 5))
+    with EpisodeReader(path) as reader:
+        assert len(reader) == n
+        order = list(range(n))
+        random.Random(0).shuffle(order)
+        for i in order[:150]:
+            assert reader.episode(f"ep-{i}") == make_record(i, turns=1 + i % 5)
+        assert [s["episode_id"] for s in reader.summaries()] == [f"ep-{i}" for i in range(n)]
+        with pytest.raises(KeyError, match=r"no episode 'ep-missing' among its 400 committed episodes"):
+            reader.episode("ep-missing")
+
+
+def test_an_id_stored_twice_reads_as_its_latest(tmp_path: Path) -> None:
+    first, second = make_record(4), make_record(4, turns=2)
+    with EpisodeWriter(tmp_path / "s.h5") as writer:
+        writer.append_episode(first)
+        writer.append_episode(second)
+    with EpisodeReader(tmp_path / "s.h5") as reader:
+        assert len(reader) == 2 and reader.episode("ep-4") == second
+
+
+# ---------------------------------------------------------------------------------- concurrent reading
+def test_reader_sees_appends_after_refresh(tmp_path: Path, chunk_tokens: int) -> None:
+    path = tmp_path / "s.h5"
+    writer = EpisodeWriter(path, chunk_tokens=chunk_tokens)
+    reader = EpisodeReader(path)
+    try:
+        assert len(reader) == 0 and reader.summaries() == [] and reader.steps() == []
+        for i in range(12):
+            writer.append_episode(make_record(i))
+            assert len(reader) == i  # nothing new until refresh
+            reader.refresh()
+            assert len(reader) == i + 1
+            assert reader.episode(f"ep-{i}") == make_record(i)
+            assert len(reader.summaries()) == i + 1
+        writer.append_step(make_step(1))
+        reader.refresh()
+        assert reader.step_samples(1) == make_step(1).samples
+    finally:
+        reader.close()
+        writer.close()
+
+
+def poll_reader(path: str, expect: int) -> None:
+    """Run in a second process: poll the store while another process writes it; check every new episode."""
+    reader = EpisodeReader(Path(path))
+    print("ready", flush=True)
+    seen: list[int] = [len(reader)]
+    deadline = time.monotonic() + 60
+    while len(reader) < expect and time.monotonic() < deadline:
+        time.sleep(0.002)
+        reader.refresh()
+        if len(reader) != seen[-1]:
+            for i in range(seen[-1], len(reader)):
+                assert reader.episode(f"ep-{i}") == make_record(i), f"episode {i} differs"
+            assert [s["episode_id"] for s in reader.summaries()] == [f"ep-{i}" for i in range(len(reader))]
+            seen.append(len(reader))
+    print(json.dumps(seen), flush=True)
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); {code}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_process_reads_while_the_writer_appends(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    n = 80
+    with EpisodeWriter(path, chunk_tokens=32) as writer:  # small chunks: tail slots are reused often
+        reader = _python(f"from test_episode_store import poll_reader; poll_reader({str(path)!r}, {n})")
+        try:
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "ready", reader.stderr
+            for i in range(n):
+                writer.append_episode(make_record(i))
+                time.sleep(0.01)
+            out, err = reader.communicate(timeout=60)
+        finally:
+            reader.kill()
+    assert reader.returncode == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen[-1] == n
+    assert len(seen) > 5, f"the reader saw only {seen}: it did not read while the writer appended"
+
+
+# --------------------------------------------------------------------------------------------- crashes
+def write_forever(path: str, start: int) -> None:
+    """Run in a second process: append big episodes until killed, printing each committed index."""
+    with EpisodeWriter(Path(path), chunk_tokens=512) as writer:
+        for i in range(start, start + 100_000):
+            writer.append_episode(make_record(i, answer=300, tool=400))
+            print(i, flush=True)
+
+
+def test_killed_writer_recovers_to_its_last_commit(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    proc = _python(f"from test_episode_store import write_forever; write_forever({str(path)!r}, 0)")
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(15)]
+    assert lines[-1].strip() == "14", proc.stderr.read() if proc.stderr else ""
+    time.sleep(random.Random().uniform(0, 0.02))  # somewhere inside an append
+    os.kill(proc.pid, signal.SIGKILL)
+    printed = [int(x) for x in lines + proc.stdout.read().split()]
+    proc.wait()
+    with open(path, "rb") as handle:
+        assert handle.read(12)[11] != 0  # HDF5's "open for writing" flags, left by the killed writer
+    with EpisodeReader(path) as reader:
+        committed = len(reader)
+        assert printed[-1] + 1 <= committed <= printed[-1] + 2  # it may have committed one more unprinted
+        for i in (0, committed - 2, committed - 1):
+            assert reader.episode(f"ep-{i}") == make_record(i, answer=300, tool=400)
+    with EpisodeWriter(path, chunk_tokens=512) as writer:  # clears the flags, shrinks to the commit
+        writer.append_episode(make_record(committed))
+    with EpisodeReader(path) as reader:
+        assert len(reader) == committed + 1
+        assert reader.episode(f"ep-{committed}") == make_record(committed)
+        assert reader.episode(f"ep-{committed - 1}") == make_record(committed - 1, answer=300, tool=400)
+
+
+def test_data_past_the_counter_is_ignored_then_dropped(tmp_path: Path) -> None:
+    """What a crash between writing data and writing the counter leaves: longer datasets, same counter."""
+    path = tmp_path / "s.h5"
+    with EpisodeWriter(path, chunk_tokens=16) as writer:
+        for i in range(3):
+            writer.append_episode(make_record(i))
+    with h5py.File(path, "r+", libver="latest", locking=False) as f:
+        for name in ("episodes", "timelines", "tokens", "episode_timeline_offsets", "timeline_offsets"):
+            ds = f[name]
+            ds.resize((ds.shape[0] + 100,))
+            ds[-100:] = ds[:100] if ds.shape[0] >= 200 else ds[0]
+        lengths = {name: f[name].shape[0] for name in ("episodes",)}
+    with EpisodeReader(path) as reader:
+        assert len(reader) == 3 and [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-1", "ep-2"]
+    with EpisodeWriter(path, chunk_tokens=16) as writer:
+        writer.append_episode(make_record(3))
+    with h5py.File(path, "r", locking=False) as f:
+        assert f["episodes"].shape[0] == 4 < lengths["episodes"]
+        committed_tokens = int(f["commit"][2])
+        assert f["tokens"].shape[0] == committed_tokens // 16 * 16  # full chunks only; the rest in the tail
+    with EpisodeReader(path) as reader:
+        assert [reader.episode(f"ep-{i}") for i in range(4)] == [make_record(i) for i in range(4)]
+
+
+def test_a_failed_append_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append that fails after writing its data (and sealing chunks) leaves the store at the commit."""
+    path = tmp_path / "s.h5"
+    writer = EpisodeWriter(path, chunk_tokens=16)
+    writer.append_episode(make_record(0))
+    real = episode_store.commit_check
+    calls = []
+
+    def fail_once(counts):  # the commit of the next append fails, after all its data was written
+        calls.append(1)
+        return real(counts) if len(calls) > 1 else 1 / 0
+
+    monkeypatch.setattr(episode_store, "commit_check", fail_once)
+    with pytest.raises(StoreError, match="writing episode ep-1 failed, nothing of it was committed"):
+        writer.append_episode(make_record(1, answer=40))  # spans several chunks: a tail slot is reused
+    writer.append_episode(make_record(2))  # the writer reopened itself at the last commit
+    writer.close()
+    with EpisodeReader(path) as reader:
+        assert [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-2"]
+        assert reader.episode("ep-0") == make_record(0)  # its open chunk's tail slot was reused meanwhile
+        assert reader.episode("ep-2") == make_record(2)
+
+
+def test_unstorable_episodes_are_refused_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    with EpisodeWriter(path) as writer:
+        open_one = make_record(0)
+        open_one.state = "open"
+        with pytest.raises(StoreError, match=rf"{path}: episode ep-0 cannot be stored: state 'open'"):
+            writer.append_episode(open_one)
+        odd = make_record(1)
+        odd.metadata = {"x": object()}
+        with pytest.raises(StoreError, match="not JSON serializable"):
+            writer.append_episode(odd)
+        writer.append_episode(make_record(2))
+    with EpisodeReader(path) as reader:
+        assert len(reader) == 1
+
+
+# -------------------------------------------------------------------------------------------- bad files
+def test_another_layout_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    EpisodeWriter(path).close()
+    with h5py.File(path, "r+", locking=False) as f:
+        f.attrs["layout_version"] = LAYOUT_VERSION + 1
+    message = (
+        rf"{path}: store layout version {LAYOUT_VERSION + 1}, this code reads layout version {LAYOUT_VERSION}"
+    )
+    with pytest.raises(StoreError, match=message):
+        EpisodeReader(path)
+    with pytest.raises(StoreError, match=message):
+        EpisodeWriter(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an hdf5 file\n" * 10], ids=["empty", "text"])
+def test_a_file_that_is_not_hdf5_is_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "s.h5"
+    path.write_bytes(content)
+    with pytest.raises(StoreError, match=rf"{path}: .*not an HDF5 file"):
+        EpisodeReader(path)
+    with pytest.raises(StoreError, match=rf"{path}: .*not an HDF5 file"):
+        EpisodeWriter(path)
+    assert path.read_bytes() == content  # never overwritten
+
+
+def test_a_truncated_or_foreign_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    with EpisodeWriter(path) as writer:
+        writer.append_episode(make_record(0))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+    with pytest.raises(StoreError, match=str(path)):
+        EpisodeReader(path)
+    with pytest.raises(StoreError, match=str(path)):
+        EpisodeWriter(path)
+    foreign = tmp_path / "other.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = [1, 2]
+    with pytest.raises(StoreError, match=rf"{foreign}: not a server episode store"):
+        EpisodeReader(foreign)
+
+
+def test_a_missing_store_is_an_error_for_readers(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match=rf"{tmp_path / 'none.h5'}: no such store"):
+        EpisodeReader(tmp_path / "none.h5")
+
+
+def test_one_writer_per_store(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    with EpisodeWriter(path), pytest.raises(StoreError, match="already open for writing in this process"):
+        EpisodeWriter(path)
+    EpisodeWriter(path).close()  # closed: free again
+
+
+def hold_open(path: str) -> None:
+    """Run in a second process: keep the store open for writing until stdin closes."""
+    with EpisodeWriter(Path(path)) as writer:
+        writer.append_episode(make_record(0))
+        print("open", flush=True)
+        sys.stdin.read()
+
+
+def test_a_live_writer_in_another_process_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+         f"from test_episode_store import hold_open; hold_open({str(path)!r})"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+        with pytest.raises(
+            StoreError, match=rf"process {proc.pid} on this host still has it open for writing"
+        ):
+            EpisodeWriter(path)
+        with EpisodeReader(path) as reader:  # readers are welcome
+            assert reader.episode("ep-0") == make_record(0)
+    finally:
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Benchmark of the server store: ``python tools/bench/store.py [--quick] [--episodes N] [--dir DIR]``.
+
+Writes N synthetic multi-turn episodes (default 100k; ``--quick``: 20k) to the server store
+(``EpisodeWriter``) and, in a second process with the same episodes, to JSONL (one JSON object per
+episode: the record's fields and each timeline as ``Timeline.to_dict`` gives it). Each episode is an agent
+of 5 turns: a 300-token system prompt (one of 8), a 40-token user task, then per turn a 60-token answer
+(a tool call) and a 120-token tool output, the last answer final; chat-template scaffolding around every
+message; token ids from a 50k vocabulary with Zipf frequencies, each id a word so that the messages' text
+matches the tokens. Timeline k holds the whole prompt so far (about 3.8k tokens per episode).
+
+Prints the size ratio JSONL/HDF5, the append rate (episodes per second of time spent inside
+``append_episode``, i.e. what the server's recorder thread pays) with its per-episode median and p99, and
+the latency of reading one episode by id (median of 200 random ids, with a reader opened fresh, the file
+in the page cache) at 10k episodes (``--quick``: 10k) while the writer still appends, and at the end.
+Ends with one line::
+
+    RESULT size_ratio=<jsonl/hdf5> write_eps=<episodes/s> read_ms_10k=<ms> read_ms_100k=<ms>
+
+Everything is written under a temporary folder (or ``--dir``) and removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter  # noqa: E402
+from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
+
+VOCAB = 50_000
+SPECIAL = VOCAB  # scaffolding ids above the vocabulary: <|im_start|>, <|im_end|>, role names, newline
+TURNS, SYSTEM_LEN, USER_LEN, ANSWER_LEN, TOOL_LEN = 5, 300, 40, 60, 120
+READS = 200
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ')} for the given query; returns JSON text",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+    for name in ("search_web", "read_page", "run_python")
+]
+
+
+class Corpus:
+    """Words for token ids (Zipf frequencies) and 8 fixed system prompts; the same in every process."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(1234)
+        letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+        lengths = rng.integers(2, 10, VOCAB)
+        self.words = ["".join(rng.choice(letters, n)) for n in lengths]
+        weights = 1.0 / (np.arange(VOCAB) + 20.0)
+        self.cdf = np.cumsum(weights) / weights.sum()
+        self.systems = [self.segment(rng, SYSTEM_LEN) for _ in range(8)]
+
+    def segment(self, rng: np.random.Generator, n: int) -> tuple[list[int], str]:
+        ids = np.minimum(np.searchsorted(self.cdf, rng.random(n)), VOCAB - 1)
+        return ids.tolist(), " ".join(self.words[i] for i in ids.tolist())
+
+
+def episode(corpus: Corpus, index: int) -> EpisodeRecord:
+    """Episode ``index``, the same in every process (its own seed)."""
+    rng = np.random.default_rng([7, index])
+    sys_ids, sys_text = corpus.systems[index % len(corpus.systems)]
+    user_ids, user_text = corpus.segment(rng, USER_LEN)
+    ids: list[int] = []
+    authors: list[int] = []
+    messages: list[dict] = []
+    spans: list[tuple[int, int]] = []
+
+    def add(role: int, author: int, body: list[int]) -> tuple[int, int]:
+        ids.extend([SPECIAL, SPECIAL + 2 + role])
+        authors.extend([SYSTEM, SYSTEM])
+        start = len(ids)
+        ids.extend(body)
+        authors.extend([author] * len(body))
+        ids.extend([SPECIAL + 1, SPECIAL + 6])
+        authors.extend([SYSTEM, SYSTEM])
+        return start, start + len(body)
+
+    add(0, SYSTEM, sys_ids)
+    messages.append({"role": "system", "content": sys_text})
+    add(1, USER, user_ids)
+    messages.append({"role": "user", "content": user_text})
+    timelines = []
+    t = 1.7e9 + index * 10.0
+    for turn in range(TURNS):
+        answer, answer_text = corpus.segment(rng, ANSWER_LEN)
+        final = turn == TURNS - 1
+        prompt = [*ids, SPECIAL, SPECIAL + 4]
+        prompt_authors = [*authors, SYSTEM, SYSTEM]
+        response = [*answer, SPECIAL + 1]
+        if final:
+            reply = {"role": "assistant", "content": answer_text}
+        else:
+            call = {"id": f"call_{index}_{turn}", "type": "function"}
+            call["function"] = {
+                "name": TOOLS[turn % 3]["function"]["name"],
+                "arguments": json.dumps({"query": answer_text}),
+            }
+            reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+        logprobs = (-rng.exponential(0.4, len(response))).astype(np.float32).tolist()
+        timelines.append(
+            Timeline(
+                prompt_ids=prompt,
+                response_ids=response,
+                response_logprobs=logprobs,
+                token_authors=prompt_authors + [MODEL] * len(response),
+                loss_mask=[0] * len(prompt) + [1] * len(response),
+                messages=[*messages, reply],
+                tools=TOOLS,
+                policy_version=index // 512,
+                finish_reason="stop" if final else "tool_calls",
+                reused_spans=list(spans),
+                started_at=t + turn,
+                finished_at=t + turn + 0.5,
+            )
+        )
+        if not final:
+            spans.append(add(2, MODEL, answer))
+            messages.append(reply)
+            tool_ids, tool_text = corpus.segment(rng, TOOL_LEN)
+            add(3, TOOL, tool_ids)
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_text})
+    return EpisodeRecord(
+        episode_id=f"ep-{index:08d}-{rng.integers(1 << 62):016x}",
+        model="policy",
+        task_id=f"task-{index // 8}",
+        group="search",
+        state="finished",
+        reward=float(rng.random() < 0.4),
+        turn_rewards=None,
+        reason=None,
+        metadata={"repeat": index % 8, "dataset": "synthetic"},
+        started_at=t,
+        ended_at=t + TURNS,
+        timelines=timelines,
+    )
+
+
+def as_json(record: EpisodeRecord) -> dict:
+    """What ``Timeline.to_dict`` gives, built without ``asdict``'s deep copy (the same JSON)."""
+    timelines = [
+        {
+            "prompt_ids": t.prompt_ids,
+            "response_ids": t.response_ids,
+            "response_logprobs": t.response_logprobs,
+            "token_authors": t.token_authors,
+            "loss_mask": t.loss_mask,
+            "messages": t.messages,
+            "tools": t.tools,
+            "policy_version": t.policy_version,
+            "finish_reason": t.finish_reason,
+            "drift": [vars(d) for d in t.drift],
+            "reused_spans": [list(s) for s in t.reused_spans],
+            "started_at": t.started_at,
+            "finished_at": t.finished_at,
+        }
+        for t in record.timelines
+    ]
+    fields = {k: v for k, v in vars(record).items() if k != "timelines"}
+    return {**fields, "timelines": timelines}
+
+
+def write_jsonl(path: Path, n: int) -> None:
+    """Runs beside the store's writer, niced, and syncing its own data every 32 MB: on ext4 an fsync
+    of the store would otherwise also write out gigabytes of dirty JSONL, and time that."""
+    os.nice(10)
+    corpus = Corpus()
+    with open(path, "w") as handle:
+        unsynced = 0
+        for i in range(n):
+            line = json.dumps(as_json(episode(corpus, i))) + "\n"
+            handle.write(line)
+            unsynced += len(line)
+            if unsynced > 32 << 20:
+                handle.flush()
+                os.fdatasync(handle.fileno())
+                unsynced = 0
+
+
+def read_latency(path: Path, ids: list[str], rng: np.random.Generator) -> tuple[float, float, float]:
+    """(open ms, median read ms, p90 read ms) over READS random ids, with a fresh reader."""
+    t0 = time.perf_counter()
+    reader = EpisodeReader(path)
+    opened = (time.perf_counter() - t0) * 1e3
+    times = []
+    for i in rng.choice(len(ids), READS, replace=False).tolist():
+        t0 = time.perf_counter()
+        record = reader.episode(ids[i])
+        times.append((time.perf_counter() - t0) * 1e3)
+        assert record.episode_id == ids[i]
+    reader.close()
+    return opened, statistics.median(times), float(np.percentile(times, 90))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="20k episodes, reads measured at 10k and 20k")
+    parser.add_argument("--episodes", type=int, default=None, help="episodes to write (default 100k)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (a temporary folder by default)"
+    )
+    args = parser.parse_args(argv)
+    n = args.episodes or (20_000 if args.quick else 100_000)
+    checkpoint = min(10_000, n)
+    folder = Path(tempfile.mkdtemp(prefix="ajet-bench-store-", dir=args.dir))
+    h5, jsonl = folder / "policy.h5", folder / "policy.jsonl"
+    try:
+        child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
+        child.start()
+        corpus, rng = Corpus(), np.random.default_rng(99)
+        ids, appends, tokens = [], [], 0
+        reads = {}
+        start = time.perf_counter()
+        with EpisodeWriter(h5) as writer:
+            for i in range(n):
+                record = episode(corpus, i)
+                t0 = time.perf_counter()
+                writer.append_episode(record)
+                appends.append(time.perf_counter() - t0)
+                ids.append(record.episode_id)
+                tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in record.timelines)
+                if i + 1 == checkpoint:
+                    reads[checkpoint] = read_latency(h5, ids, rng)
+                if (i + 1) % 10_000 == 0:
+                    print(f"  {i + 1} episodes, {time.perf_counter() - start:.0f}s", flush=True)
+        wall = time.perf_counter() - start
+        t0 = time.perf_counter()
+        with EpisodeReader(h5) as reader:
+            summaries = reader.summaries()
+        summaries_s = time.perf_counter() - t0
+        assert len(summaries) == n
+        reads[n] = read_latency(h5, ids, rng)
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"the JSONL writer failed (exit code {child.exitcode})")
+        h5_size, jsonl_size = h5.stat().st_size, jsonl.stat().st_size
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    per = sorted(appends)
+    write_eps = n / sum(appends)
+    print(f"episodes {n}, tokens {tokens} ({tokens / n:.0f} per episode), chunk 65536 tokens, deflate")
+    print(f"HDF5  {h5_size / 1e6:9.1f} MB  ({h5_size / tokens:.2f} bytes/token)")
+    print(f"JSONL {jsonl_size / 1e6:9.1f} MB  ({jsonl_size / tokens:.2f} bytes/token)")
+    print(f"size ratio JSONL/HDF5 {jsonl_size / h5_size:.2f}")
+    print(
+        f"append: {write_eps:.0f} episodes/s inside append_episode "
+        f"(median {per[len(per) // 2] * 1e3:.2f} ms, "
+        f"p99 {per[int(len(per) * 0.99)] * 1e3:.2f} ms, max {per[-1] * 1e3:.1f} ms); "
+        f"whole loop with generation {n / wall:.0f} episodes/s"
+    )
+    for count, (opened, median, p90) in reads.items():
+        print(
+            f"read by id at {count} episodes: median {median:.2f} ms, p90 {p90:.2f} ms "
+            f"(reader opened in {opened:.1f} ms)"
+        )
+    print(f"summaries() of {n} episodes with a fresh reader: {summaries_s:.2f} s")
+    print(
+        f"RESULT size_ratio={jsonl_size / h5_size:.2f} write_eps={write_eps:.0f} "
+        f"read_ms_10k={reads[checkpoint][1]:.2f} read_ms_100k={reads[n][1]:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())
