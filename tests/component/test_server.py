@@ -7,6 +7,7 @@ decoding really emits tool calls; nothing here mocks an engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -303,3 +304,21 @@ def test_text_completions_and_models(hf_server) -> None:
     assert completion.usage.completion_tokens == 4 and completion.choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list().data] == ["policy"]
     assert hf_server.episode(begun["episode_id"])["calls"] == 1
+
+
+def test_builtin_guess_agent_records_one_linear_conversation(hf_server) -> None:
+    """The multi-turn built-in task through the real agent function: every call after the first reuses
+    the sampled ids of the previous answers (one linear conversation)."""
+    from ajet_hpc.agents.guess import solve
+    from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task
+
+    begun = hf_server.begin(task_id="guess-0")
+    handle = ModelHandle("policy", begun["base_url"], begun["api_key"])
+    outcome = solve(EpisodeContext(task=Task("guess-0", {"secret": 7}), models={"policy": handle}, repeat=0))
+    assert 0.0 <= outcome.reward <= 1.0
+    assert hf_server.end(begun["episode_id"], outcome.reward).status_code == 200
+    timelines = hf_server.episode(begun["episode_id"])["timelines"]
+    assert 1 <= len(timelines) <= 4
+    for previous, current in itertools.pairwise(timelines):
+        start, end = current["reused_spans"][-1]
+        assert current["prompt_ids"][start:end] == previous["response_ids"]
