@@ -2,9 +2,9 @@
 
 One writer, the server process (:class:`EpisodeWriter`, called from its recorder thread, one lock); any number
 of readers (:class:`EpisodeReader`), also while the server writes: the file is in HDF5 SWMR mode. An append
-is committed when it returns: data first, flush, then the ``commit`` counter, flush, fsync. Readers see only
-what the counter covers; a writer reopening the file after a crash shrinks everything back to it. The layout
-and its reasons are in :mod:`ajet_hpc.storage.h5_layout` and docs/storage.md ("Server store").
+is committed when it returns: its data written, flushed and fsynced, then the ``commit`` counter written and
+flushed. Readers see only what the counter covers; a writer reopening the file after a crash shrinks every
+dataset back to it. The layout and its reasons: :mod:`ajet_hpc.storage.h5_layout`, docs/storage.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,20 +122,20 @@ class EpisodeWriter:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._file: h5py.File | None = None
-        self._key = os.path.realpath(self.path)
+        key = os.path.realpath(self.path)
         with _OPEN_WRITERS_LOCK:
-            if self._key in _OPEN_WRITERS:
+            if key in _OPEN_WRITERS:
                 raise StoreError(
                     f"{self.path}: already open for writing in this process; one writer per store"
                 )
-            _OPEN_WRITERS.add(self._key)
+            _OPEN_WRITERS.add(key)
+        self._release = weakref.finalize(self, _release, key)  # also when dropped without close()
         try:
             if not self.path.exists():
                 create_file(self.path, chunk_tokens)
             self._open()
         except BaseException:
-            with _OPEN_WRITERS_LOCK:
-                _OPEN_WRITERS.discard(self._key)
+            self._release()
             raise
 
     def _open(self) -> None:
@@ -243,9 +244,8 @@ class EpisodeWriter:
             ends = int(old[_SPACE[target]]) + np.cumsum(lengths, dtype=np.int64)
             write_at(self._data[name], int(old[_SPACE[rows_space]]) + 1, ends)
         f.flush()
-        os.fsync(
-            self._fd
-        )  # this append's data (and the previous commit) on disk before the counter points to it
+        # This append's data (and the previous commit) on disk before the counter points to it.
+        os.fsync(self._fd)
         write_at(self._commit, 0, np.append(new, commit_check(new)))
         f.flush()
         self._counts = new
@@ -268,14 +268,18 @@ class EpisodeWriter:
                 os.fsync(self._fd)
                 self._file.close()
                 self._file = None
-        with _OPEN_WRITERS_LOCK:
-            _OPEN_WRITERS.discard(self._key)
+        self._release()
 
     def __enter__(self) -> EpisodeWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(key: str) -> None:
+    with _OPEN_WRITERS_LOCK:
+        _OPEN_WRITERS.discard(key)
 
 
 def _read_commit(ds: h5py.Dataset, path: Path, tries: int = 50) -> np.ndarray:
@@ -315,7 +319,8 @@ class EpisodeReader:
             raise
         self._counts = np.zeros(len(SPACES), np.int64)
         self._seals = np.zeros(len(SPACES), np.int64)
-        self._ids: dict[int, int] = {}
+        self._ids: dict[int, int] = {}  # 64-bit hash of the id -> index of its latest record
+        self._indexed = 0
         self._summaries: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
         self.refresh()
@@ -367,17 +372,17 @@ class EpisodeReader:
     def episode(self, episode_id: str) -> EpisodeRecord:
         """The full record of ``episode_id`` (the latest one if it was stored twice)."""
         n = len(self)
-        if len(self._ids) < n:
-            hashes = self._data["episodes"].fields("id_hash")[len(self._ids) : n]
-            self._ids.update(zip(hashes.tolist(), range(len(self._ids), n), strict=True))
+        if self._indexed < n:
+            hashes = self._data["episodes"].fields("id_hash")[self._indexed : n]
+            self._ids.update(zip(hashes.tolist(), range(self._indexed, n), strict=True))
+            self._indexed = n
         index = self._ids.get(id_hash(episode_id))
         if index is not None:
             record = self._episode_at(index)
             if record.episode_id == episode_id:
                 return record
-            matches = [
-                s["index"] for s in self.summaries() if s["episode_id"] == episode_id
-            ]  # hash collision
+            # Two ids with the same 64-bit hash: look the id up among all of them.
+            matches = [s["index"] for s in self.summaries() if s["episode_id"] == episode_id]
             if matches:
                 return self._episode_at(matches[-1])
         raise KeyError(f"{self.path}: no episode {episode_id!r} among its {n} committed episodes")

@@ -571,6 +571,9 @@ def encode_step(record: StepRecord) -> Append:
     """A training step as rows, offsets and column values."""
     samples = record.samples
     lengths = np.array([len(s.token_ids) for s in samples], np.int64)
+    for i, (s, n) in enumerate(zip(samples, lengths.tolist(), strict=True)):
+        if not len(s.loss_mask) == len(s.advantages) == len(s.old_logprobs) == n:
+            raise ValueError(f"sample {i} has loss mask, advantages or old logprobs of the wrong length")
     sample_json = [_json({"episode_id": s.episode_id, "task_id": s.task_id}) for s in samples]
     step_json = _json({"metrics": record.metrics})
     joined = b"".join(sample_json)

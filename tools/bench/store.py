@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -185,8 +186,9 @@ def as_json(record: EpisodeRecord) -> dict:
 
 
 def write_jsonl(path: Path, n: int) -> None:
-    """Runs beside the store's writer, niced, and syncing its own data every 32 MB: on ext4 an fsync
-    of the store would otherwise also write out gigabytes of dirty JSONL, and time that."""
+    """Runs beside the store's writer, niced. It syncs its own data every 32 MB and drops it from the page
+    cache: on ext4 an fsync of the store would otherwise also write out gigabytes of dirty JSONL (and time
+    that), and the JSONL would push the store out of the page cache."""
     os.nice(10)
     corpus = Corpus()
     with open(path, "w") as handle:
@@ -198,22 +200,76 @@ def write_jsonl(path: Path, n: int) -> None:
             if unsynced > 32 << 20:
                 handle.flush()
                 os.fdatasync(handle.fileno())
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 unsynced = 0
 
 
-def read_latency(path: Path, ids: list[str], rng: np.random.Generator) -> tuple[float, float, float]:
-    """(open ms, median read ms, p90 read ms) over READS random ids, with a fresh reader."""
+@dataclass
+class Reads:
+    opened_ms: float
+    median_ms: float
+    p90_ms: float
+    cpu_ms: float  # median CPU time of this process per read: what the read costs on an idle machine
+
+
+def read_latency(path: Path, ids: list[str], rng: np.random.Generator) -> Reads:
+    """Reads of READS random ids with a fresh reader (the first one also builds the id map)."""
     t0 = time.perf_counter()
     reader = EpisodeReader(path)
     opened = (time.perf_counter() - t0) * 1e3
-    times = []
+    wall, cpu = [], []
     for i in rng.choice(len(ids), READS, replace=False).tolist():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         record = reader.episode(ids[i])
-        times.append((time.perf_counter() - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
         assert record.episode_id == ids[i]
     reader.close()
-    return opened, statistics.median(times), float(np.percentile(times, 90))
+    return Reads(opened, statistics.median(wall), float(np.percentile(wall, 90)), statistics.median(cpu))
+
+
+def small_appends(folder: Path, n: int = 2000) -> tuple[float, float, float]:
+    """(median ms, p99 ms, median CPU ms) of appending episodes of 5 timelines x ~300 tokens."""
+    corpus = Corpus()
+    records = []
+    for i in range(n):
+        record = episode(corpus, i)
+        for t in record.timelines:  # keep ~300 tokens per timeline: the last 240 of the prompt
+            cut = len(t.prompt_ids) - 240
+            t.prompt_ids, t.token_authors, t.loss_mask = (
+                x[cut:] for x in (t.prompt_ids, t.token_authors, t.loss_mask)
+            )
+            t.reused_spans = []
+        records.append(record)
+    wall, cpu = [], []
+    with EpisodeWriter(folder / "small.h5") as writer:
+        for record in records:
+            t0, c0 = time.perf_counter(), time.process_time()
+            writer.append_episode(record)
+            wall.append((time.perf_counter() - t0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+    return statistics.median(wall), float(np.percentile(wall, 99)), statistics.median(cpu)
+
+
+def write_store(h5: Path, n: int, checkpoint: int, rng: np.random.Generator) -> dict:
+    corpus = Corpus()
+    ids, appends, cpu, tokens, reads = [], [], 0.0, 0, {}
+    start = time.perf_counter()
+    with EpisodeWriter(h5) as writer:
+        for i in range(n):
+            record = episode(corpus, i)
+            t0, c0 = time.perf_counter(), time.process_time()
+            writer.append_episode(record)
+            appends.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
+            ids.append(record.episode_id)
+            tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in record.timelines)
+            if i + 1 == checkpoint:
+                reads[checkpoint] = read_latency(h5, ids, rng)
+            if (i + 1) % 10_000 == 0:
+                print(f"  {i + 1} episodes, {time.perf_counter() - start:.0f}s", flush=True)
+    return {"ids": ids, "appends": sorted(appends), "cpu": cpu, "tokens": tokens, "reads": reads,
+            "wall": time.perf_counter() - start}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,61 +284,56 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = min(10_000, n)
     folder = Path(tempfile.mkdtemp(prefix="ajet-bench-store-", dir=args.dir))
     h5, jsonl = folder / "policy.h5", folder / "policy.jsonl"
+    rng = np.random.default_rng(99)
     try:
+        small = small_appends(folder)
         child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
         child.start()
-        corpus, rng = Corpus(), np.random.default_rng(99)
-        ids, appends, tokens = [], [], 0
-        reads = {}
-        start = time.perf_counter()
-        with EpisodeWriter(h5) as writer:
-            for i in range(n):
-                record = episode(corpus, i)
-                t0 = time.perf_counter()
-                writer.append_episode(record)
-                appends.append(time.perf_counter() - t0)
-                ids.append(record.episode_id)
-                tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in record.timelines)
-                if i + 1 == checkpoint:
-                    reads[checkpoint] = read_latency(h5, ids, rng)
-                if (i + 1) % 10_000 == 0:
-                    print(f"  {i + 1} episodes, {time.perf_counter() - start:.0f}s", flush=True)
-        wall = time.perf_counter() - start
+        run = write_store(h5, n, checkpoint, rng)
         t0 = time.perf_counter()
         with EpisodeReader(h5) as reader:
-            summaries = reader.summaries()
+            assert len(reader.summaries()) == n
         summaries_s = time.perf_counter() - t0
-        assert len(summaries) == n
-        reads[n] = read_latency(h5, ids, rng)
         child.join()
         if child.exitcode != 0:
             raise SystemExit(f"the JSONL writer failed (exit code {child.exitcode})")
+        run["reads"][n] = read_latency(h5, run["ids"], rng)
         h5_size, jsonl_size = h5.stat().st_size, jsonl.stat().st_size
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    per = sorted(appends)
-    write_eps = n / sum(appends)
+    report(n, run, small, summaries_s, h5_size, jsonl_size, checkpoint)
+    return 0
+
+
+def report(
+    n: int, run: dict, small: tuple, summaries_s: float, h5_size: int, jsonl_size: int, checkpoint: int
+) -> None:
+    tokens, per = run["tokens"], run["appends"]
+    write_eps = n / sum(per)
     print(f"episodes {n}, tokens {tokens} ({tokens / n:.0f} per episode), chunk 65536 tokens, deflate")
     print(f"HDF5  {h5_size / 1e6:9.1f} MB  ({h5_size / tokens:.2f} bytes/token)")
     print(f"JSONL {jsonl_size / 1e6:9.1f} MB  ({jsonl_size / tokens:.2f} bytes/token)")
     print(f"size ratio JSONL/HDF5 {jsonl_size / h5_size:.2f}")
     print(
-        f"append: {write_eps:.0f} episodes/s inside append_episode "
-        f"(median {per[len(per) // 2] * 1e3:.2f} ms, "
-        f"p99 {per[int(len(per) * 0.99)] * 1e3:.2f} ms, max {per[-1] * 1e3:.1f} ms); "
-        f"whole loop with generation {n / wall:.0f} episodes/s"
+        f"append ({tokens / n:.0f} tokens): {write_eps:.0f} episodes/s inside append_episode; per episode "
+        f"median {per[len(per) // 2] * 1e3:.2f} ms, p99 {per[int(len(per) * 0.99)] * 1e3:.2f} ms, "
+        f"max {per[-1] * 1e3:.0f} ms, CPU {run['cpu'] / n * 1e3:.2f} ms; "
+        f"with generation {n / run['wall']:.0f}/s"
     )
-    for count, (opened, median, p90) in reads.items():
+    print(
+        f"append (5 x ~300 tokens): median {small[0]:.2f} ms, p99 {small[1]:.2f} ms, "
+        f"CPU median {small[2]:.2f} ms"
+    )
+    for count, r in run["reads"].items():
         print(
-            f"read by id at {count} episodes: median {median:.2f} ms, p90 {p90:.2f} ms "
-            f"(reader opened in {opened:.1f} ms)"
+            f"read by id at {count} episodes: median {r.median_ms:.2f} ms (CPU {r.cpu_ms:.2f} ms), "
+            f"p90 {r.p90_ms:.2f} ms; fresh reader opened in {r.opened_ms:.1f} ms"
         )
     print(f"summaries() of {n} episodes with a fresh reader: {summaries_s:.2f} s")
     print(
         f"RESULT size_ratio={jsonl_size / h5_size:.2f} write_eps={write_eps:.0f} "
-        f"read_ms_10k={reads[checkpoint][1]:.2f} read_ms_100k={reads[n][1]:.2f}"
+        f"read_ms_10k={run['reads'][checkpoint].median_ms:.2f} read_ms_100k={run['reads'][n].median_ms:.2f}"
     )
-    return 0
 
 
 if __name__ == "__main__":
