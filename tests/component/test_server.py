@@ -318,7 +318,7 @@ def test_builtin_guess_agent_records_one_linear_conversation(hf_server) -> None:
     assert 0.0 <= outcome.reward <= 1.0
     assert hf_server.end(begun["episode_id"], outcome.reward).status_code == 200
     timelines = hf_server.episode(begun["episode_id"])["timelines"]
-    assert 1 <= len(timelines) <= 4
+    assert timelines and len(timelines) <= 4  # one call per guess, at most four guesses
     for previous, current in itertools.pairwise(timelines):
         start, end = current["reused_spans"][-1]
         assert current["prompt_ids"][start:end] == previous["response_ids"]
