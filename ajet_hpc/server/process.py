@@ -49,7 +49,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     """uvicorn, minus re-raising SIGTERM/SIGINT after shutdown: the server then withdraws its rendezvous
     and exits 0, where plain uvicorn would die of the re-raised signal before any cleanup."""
 
@@ -140,7 +140,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
     if config.trainer is not None:
         ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm))
-    server = _Server(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
+    server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,
         url=f"http://{host}:{port}",

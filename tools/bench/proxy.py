@@ -245,23 +245,11 @@ def start_vllm(model_dir: Path, workdir: Path) -> Proc:
 
 # ============================================================================== server (subprocess side)
 def _server_class():
-    import uvicorn
+    """The server class ajet_hpc.server.process runs (uvicorn minus re-raising SIGTERM after shutdown),
+    so that the profile is written on the way out."""
+    from ajet_hpc.server.process import GracefulServer
 
-    class Server(uvicorn.Server):
-        """uvicorn minus re-raising SIGTERM after shutdown (as ajet_hpc.server.process does), so that the
-        profile is written on the way out."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            handled = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
+    return GracefulServer
 
 
 def serve_main(argv: list[str]) -> int:
