@@ -98,8 +98,10 @@ class Chunk:
 class Engine(Protocol):
     """An inference engine. Use as ``async with engine:`` or call `start` / `stop`.
 
-    ``generate(prompt_ids, params, request_id)`` streams `Chunk` s; concatenating all chunks' token_ids
-    gives exactly what was sampled, and the last chunk has ``finish_reason`` set. The request needs at
+    ``generate(prompt_ids, params, request_id, stream=True)`` streams `Chunk` s; concatenating all chunks'
+    token_ids gives exactly what was sampled, and the last chunk has ``finish_reason`` set. With
+    ``stream=False`` the caller wants only the whole completion, and the engine may deliver it in fewer
+    chunks (vLLM: one, at the end, which saves a Python round trip per token). The request needs at
     least one free position: a prompt of ``max_model_len`` tokens or more raises `PromptTooLong`, and
     ``max_tokens`` is clamped to the room left (``max_model_len - len(prompt_ids)``), which then ends with
     "length". Errors are `EngineError` s, raised when the iterator is first advanced.
@@ -121,7 +123,7 @@ class Engine(Protocol):
     async def stop(self) -> None: ...
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
     ) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -157,7 +159,7 @@ async def generate_all(
     token_ids: list[int] = []
     logprobs: list[float] = []
     finish_reason: FinishReason | None = None
-    async for chunk in engine.generate(prompt_ids, params, request_id):
+    async for chunk in engine.generate(prompt_ids, params, request_id, stream=False):
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs
         finish_reason = chunk.finish_reason

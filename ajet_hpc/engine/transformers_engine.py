@@ -140,7 +140,7 @@ class TransformersEngine(EngineLifecycle):
         self._model = None
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
     ) -> AsyncIterator[Chunk]:
         if self._worker is None:
             raise EngineError("the engine is not started: call start() first")

@@ -148,7 +148,7 @@ class VllmEngine(EngineLifecycle):
         log.info("vllm engine: stopped in %.1f s", time.monotonic() - started)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
     ) -> AsyncIterator[Chunk]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -159,7 +159,7 @@ class VllmEngine(EngineLifecycle):
         if request_id in self._in_flight:
             raise EngineError(f"request id {request_id!r} is already in flight")
         stream = self._llm.generate(
-            tokens_input(list(prompt_ids)), _vllm_params(params, max_tokens), request_id
+            tokens_input(list(prompt_ids)), _vllm_params(params, max_tokens, stream), request_id
         )
         self._in_flight.add(request_id)
         try:
@@ -225,7 +225,7 @@ class VllmEngine(EngineLifecycle):
             )
 
 
-def _vllm_params(params: SamplingParams, max_tokens: int) -> Any:
+def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -238,6 +238,7 @@ def _vllm_params(params: SamplingParams, max_tokens: int) -> Any:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         logprobs=0,  # the sampled token's logprob only
-        output_kind=RequestOutputKind.DELTA,
+        # streamed: one output per step with the new tokens; else one output at the end, as `vllm serve`
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         skip_special_tokens=True,  # stop strings are matched on this text
     )

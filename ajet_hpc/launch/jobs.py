@@ -19,6 +19,13 @@ class ServerJob(submitit.helpers.Checkpointable):
 
         return serve(self.run_dir, self.name)
 
+    def checkpoint(self, *args, **kwargs):  # type: ignore[override]
+        """Save the trainer's state and flush the episode store, then let submitit requeue us."""
+        from ajet_hpc.server import preemption
+
+        preemption.run_hooks()
+        return super().checkpoint(*args, **kwargs)
+
 
 class ClientJob(submitit.helpers.Checkpointable):
     def __init__(self, run_dir: str, group: str) -> None:

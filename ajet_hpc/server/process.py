@@ -18,6 +18,7 @@ from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.server import preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.storage import rendezvous
@@ -116,10 +117,24 @@ def _stop_when_idle(ctx: ServerContext, server: uvicorn.Server, grace_s: float =
     threading.Thread(target=wait, name="stop-when-idle", daemon=True).start()
 
 
+def _save_on_signal(ctx: ServerContext, budget_s: float) -> None:
+    """The server's part of a pre-timeout/preemption signal (see ``preemption``)."""
+    started = time.monotonic()
+    try:
+        if ctx.coordinator is not None and not ctx.training_done:
+            ctx.coordinator.save_on_signal(budget_s)
+    finally:
+        if ctx.recorder is not None and not ctx.recorder.flush(
+            max(1.0, budget_s - (time.monotonic() - started))
+        ):
+            log.warning("signal: the episode store did not flush in time")
+
+
 def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     setup_logging()
     run = RunDir.at(run_dir)
-    config = pick_server(run.load_topology(), name)
+    topology = run.load_topology()
+    config = pick_server(topology, name)
     job = environment.current()
     sock = _bind(job.bind_host(), config.port)
     host, port = job.advertise_host(), sock.getsockname()[1]
@@ -154,9 +169,14 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
     ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
     heartbeat.start()
+    # Slurm's signal comes cluster.signal_delay_s before the kill; leave a margin for the requeue itself
+    unregister = preemption.on_signal(
+        lambda: _save_on_signal(ctx, max(10.0, topology.cluster.signal_delay_s - 20.0))
+    )
     try:
         server.run(sockets=[sock])
     finally:
+        unregister()
         heartbeat.stop()
         if ctx.training_done:  # left in place, state "finished": clients stop instead of waiting
             heartbeat.beat()

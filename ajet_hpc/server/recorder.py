@@ -38,6 +38,9 @@ class EpisodeRecorder:
             item = self._queue.get()
             if item is _STOP:
                 return
+            if isinstance(item, threading.Event):  # flush marker
+                item.set()
+                continue
             try:
                 if isinstance(item, StepRecord):
                     self.writer.append_step(item)
@@ -46,6 +49,12 @@ class EpisodeRecorder:
             except Exception:
                 self.failed += 1
                 log.exception("could not write to the episode store %s", self.path)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until everything queued so far is written; False after ``timeout_s``."""
+        written = threading.Event()
+        self._queue.put(written)
+        return written.wait(timeout_s)
 
     def close(self) -> None:
         self._queue.put(_STOP)

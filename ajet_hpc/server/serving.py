@@ -140,7 +140,8 @@ class Service:
 
         async def run(answer: Answer) -> None:
             params = self.sampling(request, len(plan.prompt_ids), answer.index)
-            async for chunk in self.engine.generate(plan.prompt_ids, params, f"{prefix}-{answer.index}"):
+            request_id = f"{prefix}-{answer.index}"
+            async for chunk in self.engine.generate(plan.prompt_ids, params, request_id, stream=False):
                 self._absorb(answer, chunk)
 
         await self._guarded(asyncio.gather(*(run(answer) for answer in answers)))

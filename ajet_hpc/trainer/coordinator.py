@@ -2,8 +2,9 @@
 
 finished episodes → collector → batch → samples with GRPO advantages → trainer ranks (DeepSpeed, separate
 processes, file protocol in RUN/ckpt/<model>/) → new weights → engine reload → policy version + 1 →
-metrics row. Checkpoints every ``save_every`` steps and at the last step. On start it resumes from the
-ranks' last complete checkpoint: the engine gets that step's weights and the policy version continues.
+metrics row. Checkpoints every ``save_every`` steps, at the last step, and on Slurm's pre-timeout or
+preemption signal (`Coordinator.save_on_signal`). On start it resumes from the ranks' last complete
+checkpoint: the engine gets that step's weights and the policy version continues.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -38,7 +40,9 @@ class Coordinator:
         self.metrics_path = run_root / "metrics.jsonl"
         self.collector = BatchCollector(server.trainer)
         self.process: subprocess.Popen | None = None
+        self.channel: TrainerChannel | None = None
         self.step = 0
+        self._in_flight: _InFlight | None = None  # the step the ranks are training, until it is recorded
 
     @property
     def trainer(self) -> TrainerConfig:
@@ -67,6 +71,7 @@ class Coordinator:
             log_path=log_path,
         )
         channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
+        self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
         self.step = int(ready.get("step", 0))
         if self.step:
@@ -114,16 +119,55 @@ class Coordinator:
         if on_policy:
             self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
+            self._in_flight = _InFlight(step, batch, samples, started)
             channel.submit(step, samples, save_checkpoint=save)
             result = await channel.wait_result(step)
+            if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
+                return
             trained = time.monotonic()
             await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
             sync_s = time.monotonic() - trained
         finally:
             self.ctx.admission.set()
+        self._in_flight = None
         self.step = step
         self.collector.set_policy_version(step)
         self._record(batch, samples, result, time.monotonic() - started, sync_s)
+
+    def save_on_signal(self, timeout_s: float) -> int | None:
+        """Checkpoint now, on Slurm's pre-timeout or preemption signal, so that the requeued job resumes here.
+
+        Runs in the signal handler, on the event loop's thread, which stays blocked meanwhile (the ranks are
+        other processes and go on). A step the ranks are training is first waited for and recorded
+        (metrics row, server store): its result would otherwise be lost with the batch. Then the ranks save
+        that step unless the trusted checkpoint already is it, and are asked to exit. Returns the step
+        saved, None when there was nothing to save (no step yet, or the ranks are not up).
+        """
+        channel = self.channel
+        if channel is None or self.process is None or self.process.poll() is not None:
+            log.warning("signal: the trainer's ranks are not running; nothing to checkpoint")
+            return None
+        deadline = time.monotonic() + timeout_s
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            log.info("signal: waiting for step %d to finish before checkpointing it", in_flight.step)
+            result = channel.wait_result_blocking(in_flight.step, max(1.0, deadline - time.monotonic()))
+            self.step = in_flight.step
+            self._record(
+                in_flight.batch, in_flight.samples, result, time.monotonic() - in_flight.started, 0.0
+            )
+        if self.step == 0:
+            channel.request_stop()
+            return None
+        if channel.last_checkpoint_step() != self.step:
+            started = time.monotonic()
+            channel.request_save(self.step)
+            channel.wait_saved_blocking(self.step, max(1.0, deadline - time.monotonic()))
+            log.info("signal: checkpoint of step %d saved in %.1f s", self.step, time.monotonic() - started)
+        else:
+            log.info("signal: step %d is already checkpointed", self.step)
+        channel.request_stop()
+        return self.step
 
     def _record(self, batch: Batch, samples, result: dict, step_s: float, sync_s: float) -> None:
         mean, std = reward_stats(batch)
@@ -175,6 +219,14 @@ class Coordinator:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    step: int
+    batch: Batch
+    samples: list
+    started: float
 
 
 def _fmt(value) -> str:

@@ -106,7 +106,8 @@ def start_ranks(
     ``ready.json`` files of an earlier run first. ``on_gpu`` defaults to ``torch.cuda.is_available()``."""
     work = WorkDir(Path(work_dir).absolute())
     work.root.mkdir(parents=True, exist_ok=True)
-    work.stop.unlink(missing_ok=True)
+    for stale in (work.stop, work.save_request, work.save_refused):  # left by the previous job
+        stale.unlink(missing_ok=True)
     work.ready.unlink(missing_ok=True)
     if on_gpu is None:
         import torch

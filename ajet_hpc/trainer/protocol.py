@@ -22,6 +22,11 @@ temporary name and renamed, so a reader sees a whole file or none:
     next batch to submit is ``step + 1``.
 ``stop``
     Created by the coordinator: the ranks exit at their next wait for a batch.
+``save-request.json``
+    Written by the coordinator on Slurm's pre-timeout/preemption signal: ``{"step": n}``. At their next
+    wait for a batch, the ranks (then at step ``n``) save a checkpoint of step ``n`` unless the trusted one
+    already is, and rank 0 removes the request; a request for another step is refused in
+    ``save-refused.json``.
 
 Steps are 1, 2, 3, ... with no gaps: after resuming at step ``n`` the ranks wait for ``n + 1``, and first
 remove the weights, checkpoints and results an abandoned run left for steps after ``n``.
@@ -113,6 +118,14 @@ class WorkDir:
     @property
     def stop(self) -> Path:
         return self.root / "stop"
+
+    @property
+    def save_request(self) -> Path:
+        return self.root / "save-request.json"
+
+    @property
+    def save_refused(self) -> Path:
+        return self.root / "save-refused.json"
 
     def batch_file(self, step: int) -> Path:
         return self.inbox / f"{step_name(step)}.pt"
@@ -317,6 +330,27 @@ class TrainerChannel:
         self.work.root.mkdir(parents=True, exist_ok=True)
         self.work.stop.touch()
 
+    def request_save(self, step: int) -> None:
+        """Ask the ranks, which must be at step ``step``, to checkpoint it at their next wait for a batch."""
+        self.work.save_refused.unlink(missing_ok=True)
+        write_json_atomic(self.work.save_request, {"step": step})
+
+    def wait_result_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
+        """`wait_result` for a caller that cannot await (a signal handler on the event loop's thread)."""
+        return self._wait_blocking(lambda: read_result(self.work, step), f"step {step}", poll_s, timeout_s)
+
+    def wait_saved_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
+        """Block until the trusted checkpoint is step ``step`` (after `request_save`)."""
+
+        def saved() -> dict | None:
+            refused = read_json(self.work.save_refused)
+            if refused is not None and refused.get("step") == step:
+                return {"error": refused.get("reason", "refused")}
+            state = read_trainer_state(self.work)
+            return dataclasses.asdict(state) if state is not None and state.step == step else None
+
+        return self._wait_blocking(saved, f"the checkpoint of step {step}", poll_s, timeout_s)
+
     def last_checkpoint_step(self) -> int | None:
         """The step of the last complete checkpoint, None when there is none."""
         state = read_trainer_state(self.work)
@@ -326,23 +360,34 @@ class TrainerChannel:
         self, read: Callable[[], dict | None], what: str, poll_s: float, timeout_s: float | None
     ) -> dict:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            found = read()
-            if found is None and self._alive is not None and not self._alive():
-                found = read()  # it may have been written just before the exit
-                if found is None:
-                    raise TrainerFailed(
-                        f"the trainer's processes exited while waiting for {what}" + self._tail()
-                    )
-            if found is not None:
-                if "error" in found:
-                    raise TrainerFailed(f"{what} failed: {found['error']}" + self._tail())
-                return found
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no answer from the trainer for {what} within {timeout_s} s" + self._tail()
-                )
+        while (found := self._poll(read, what, deadline, timeout_s)) is None:
             await asyncio.sleep(poll_s)
+        return found
+
+    def _wait_blocking(
+        self, read: Callable[[], dict | None], what: str, poll_s: float, timeout_s: float
+    ) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (found := self._poll(read, what, deadline, timeout_s)) is None:
+            time.sleep(poll_s)
+        return found
+
+    def _poll(
+        self, read: Callable[[], dict | None], what: str, deadline: float | None, timeout_s: float | None
+    ) -> dict | None:
+        """One look: the answer, None (not yet), or an error (failed, processes gone, past the deadline)."""
+        found = read()
+        if found is None and self._alive is not None and not self._alive():
+            found = read()  # it may have been written just before the exit
+            if found is None:
+                raise TrainerFailed(f"the trainer's processes exited while waiting for {what}" + self._tail())
+        if found is not None:
+            if "error" in found:
+                raise TrainerFailed(f"{what} failed: {found['error']}" + self._tail())
+            return found
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no answer from the trainer for {what} within {timeout_s} s" + self._tail())
+        return None
 
     def _tail(self, lines: int = 20) -> str:
         if self._log_path is None or not Path(self._log_path).is_file():

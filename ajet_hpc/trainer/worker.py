@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
-from ajet_hpc.storage.atomic import write_json_atomic
+from ajet_hpc.storage.atomic import read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
@@ -138,13 +138,27 @@ class Rank:
             dist.broadcast_object_list(decision, src=0)
             if decision[0] == "stop":
                 return None
-            if decision[0] is not None:
+            if isinstance(decision[0], Batch):
                 return decision[0]
+            if decision[0] == "save":
+                self._save_on_request()
+                continue
             time.sleep(POLL_S)
 
     def _look(self) -> Batch | str | None:
         """Rank 0: ``"stop"``, the next batch, or None (nothing yet). Batches for later steps get an error
         result naming the expected step, once each."""
+        request = read_json(self.work.save_request) if self.work.save_request.exists() else None
+        if request is not None:  # before "stop": a save is asked for first, on a signal
+            wanted = request.get("step")
+            state = protocol.read_trainer_state(self.work)
+            if wanted == self.step and (state is None or state.step != self.step):
+                return "save"
+            if wanted != self.step:
+                reason = f"the trainer is at step {self.step}, not {wanted}"
+                log.warning("save request refused: %s", reason)
+                write_json_atomic(self.work.save_refused, {"step": wanted, "reason": reason})
+            self.work.save_request.unlink(missing_ok=True)
         if self.work.stop.exists():
             return "stop"
         if not _parent_alive():
@@ -202,6 +216,23 @@ class Rank:
                 },
             )
             self.work.batch_file(batch.step).unlink(missing_ok=True)
+
+    def _save_on_request(self) -> None:
+        """All ranks: checkpoint the current step (asked for on Slurm's signal); rank 0 clears the request."""
+        started = time.monotonic()
+        try:
+            zero.save_checkpoint(
+                self.models, self.work, self.step, self.env.rank, self.env.world_size, self.config.zero_stage
+            )
+        except Exception as error:  # the previous checkpoint stays the trusted one
+            log.exception("step %d: the requested checkpoint failed", self.step)
+            if self.env.rank == 0:
+                reason = f"rank {self.env.rank}: {_describe(error)}"
+                write_json_atomic(self.work.save_refused, {"step": self.step, "reason": reason})
+        else:
+            log.info("step %d: checkpoint saved on request in %.2f s", self.step, time.monotonic() - started)
+        if self.env.rank == 0:
+            self.work.save_request.unlink(missing_ok=True)
 
     def _export(self, step: int) -> Path:
         return zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank)

@@ -1,11 +1,18 @@
-"""Training on the dev Slurm cluster: server on partition gpu, clients as an array on partition cpu;
-``scontrol requeue`` of the server mid-run → it resumes at its last checkpoint, the clients find it again,
-and every step appears exactly once in metrics.jsonl."""
+"""Training on the dev Slurm cluster: server on partition gpu, clients as an array on partition cpu.
+
+The server job is first preempted (a job on the higher-tier partition ``urgent`` takes its node: Slurm
+sends USR2, the server checkpoints the step it is at, submitit requeues it) and resumes exactly at that
+step. Later ``scontrol requeue`` (no signal: a hard stop) makes it resume at its last periodic
+checkpoint. The clients find the server again by themselves both times, and every step appears exactly
+once in metrics.jsonl.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +22,7 @@ from ajet_hpc.launch import slurmcli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
-TOTAL, SAVE_EVERY = 16, 4
+TOTAL, SAVE_EVERY = 16, 5
 
 
 def steps(run: Path) -> list[int]:
@@ -25,12 +32,36 @@ def steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_quickstart_on_slurm_survives_a_server_requeue(tmp_path: Path) -> None:
+def server_log(run: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run / "logs" / "server-policy").glob("*_log.out")))
+
+
+def resumes(run: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"resumed policy at step (\d+)", server_log(run))]
+
+
+def trained_steps(run: Path) -> Counter:
+    """How often the ranks trained each step, over every start (ranks.log is appended to)."""
+    text = (run / "ckpt" / "policy" / "ranks.log").read_text()
+    return Counter(int(m) for m in re.findall(r"\[rank 0\] \S+: step (\d+): loss", text))
+
+
+def preempt(node: str, out: Path) -> str:
+    command = ["sbatch", "--parsable", "-p", "urgent", "-w", node, "-c", "2", "--mem=100M"]
+    return subprocess.run(
+        [*command, f"--output={out}/urgent-%j.out", "--wrap", "sleep 2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> None:
     run = tmp_path / "run"
     overrides = [
         f"run.dir={run}",
         "cluster.backend=slurm",
-        "servers.policy.time=30:00",
+        "servers.policy.time=30:00",  # submitit counts any signal in the last 10 minutes as a timeout
         "clients.math.time=30:00",
         "clients.math.array=2",
         f"servers.policy.trainer.total_steps={TOTAL}",
@@ -40,12 +71,29 @@ def test_quickstart_on_slurm_survives_a_server_requeue(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr + done.stdout
     jobs = {entry["name"]: entry for entry in json.loads((run / "jobs.json").read_text())}
     server_id, client_id = jobs["server-policy"]["job_id"], jobs["clients-math"]["job_id"]
+    urgent = None
     try:
         tasks = {s.job_id: s for s in slurmcli.job_states([client_id])}
         assert len(tasks) == 2 and {s.partition for s in tasks.values()} == {"cpu"}
-        wait_until(lambda: len(steps(run)) > SAVE_EVERY, 600, f"step {SAVE_EVERY + 1}")
+        wait_until(lambda: len(steps(run)) >= 2, 600, "step 2")
         server = slurmcli.job_states([server_id])[0]
         assert (server.partition, server.nodes) == ("gpu", "g1")
+
+        # 1. preemption: USR2 → checkpoint of the current step → requeue → resume at that very step
+        urgent = preempt("g1", tmp_path)
+        saved = wait_until(
+            lambda: re.findall(r"signal: (?:checkpoint of step|step) (\d+)", server_log(run)),
+            180,
+            "the server to checkpoint on the preemption signal",
+        )
+        saved_at = int(saved[0])
+        assert saved_at < TOTAL, "the run finished before the preemption: raise TOTAL"
+        assert steps(run) == list(range(1, saved_at + 1))  # recorded up to the saved step, nothing lost
+        first = wait_until(resumes, 300, "the preempted server to resume")
+        assert first == [saved_at]
+
+        # 2. scontrol requeue: no signal, so it resumes at its last periodic (or signal) checkpoint
+        wait_until(lambda: len(steps(run)) > max(saved_at, SAVE_EVERY) + 1, 600, "steps after the resume")
         before = steps(run)
         assert before[-1] < TOTAL, "the run finished before the requeue could happen: raise TOTAL"
         subprocess.run(["scontrol", "requeue", server_id], check=True)
@@ -59,15 +107,18 @@ def test_quickstart_on_slurm_survives_a_server_requeue(tmp_path: Path) -> None:
             "the run to finish after the requeue",
         )
         assert steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
-        log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
-        resumed = [line for line in log.splitlines() if "resumed policy at step" in line]
-        assert resumed, "the requeued server did not resume from a checkpoint"
-        resumed_at = int(resumed[-1].split("resumed policy at step ")[1].split()[0])
-        assert resumed_at % SAVE_EVERY == 0 and 0 < resumed_at <= before[-1]
+        second = resumes(run)[1]
+        assert 0 < second <= before[-1] and (second % SAVE_EVERY == 0 or second == saved_at)
+        trained = trained_steps(run)
+        assert all(trained[s] == 1 for s in range(1, saved_at + 1)), trained  # nothing redone at the signal
+        assert sorted(trained) == list(range(1, TOTAL + 1))
         out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout
-        assert "Restarts=1" in out
+        assert "Restarts=2" in out
+        assert "this job is preempted" in server_log(run) or "this job is timed-out" in server_log(run)
         client_logs = "".join(p.read_text() for p in (run / "logs" / "clients-math").glob("*_log.out"))
         assert "is back at" in client_logs or "reached server policy" in client_logs
         assert "stopping: " in client_logs  # the clients ended because training finished
     finally:
-        subprocess.run(["scancel", server_id, client_id], check=False, capture_output=True)
+        subprocess.run(
+            ["scancel", server_id, client_id, *([urgent] if urgent else [])], check=False, capture_output=True
+        )

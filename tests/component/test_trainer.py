@@ -313,6 +313,16 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
         with pytest.raises(TrainerFailed, match="takes step 3 next"):
             second.channel.submit(5, batches[0])
             run(second.channel.wait_result(5, timeout_s=30))
+        # what the coordinator does on Slurm's signal: checkpoint the current step now
+        assert second.channel.last_checkpoint_step() == 1
+        second.channel.request_save(2)
+        saved = second.channel.wait_saved_blocking(2, timeout_s=STEP_TIMEOUT_S)
+        assert saved["step"] == 2 and second.channel.last_checkpoint_step() == 2
+        assert not work.save_request.exists()
+        with pytest.raises(TrainerFailed, match="at step 2, not 7"):
+            second.channel.request_save(7)
+            second.channel.wait_saved_blocking(7, timeout_s=30)
+        assert second.channel.last_checkpoint_step() == 2
         assert second.stop() == 0
     finally:
         second.kill()

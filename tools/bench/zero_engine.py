@@ -68,7 +68,7 @@ class ZeroEngine:
         pass
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
     ) -> AsyncIterator[Chunk]:
         if self._tokenizer is None:
             raise EngineError("the engine is not started: call start() first")
