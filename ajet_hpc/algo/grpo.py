@@ -78,26 +78,39 @@ def _shift_right(per_position: Tensor) -> Tensor:
     return torch.cat([per_position.new_zeros(per_position.shape[0], 1), per_position], dim=1)
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+def token_logprobs(logits: Tensor, input_ids: Tensor, parents: Tensor | None = None) -> Tensor:
     """``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``; position 0 (no context) is 0.
 
     ``logits``: ``[B, T, V]`` from a causal LM (position t predicts token t+1); computed in float32.
     Returns float32 ``[B, T]``, aligned with ``input_ids`` and the samples' ``loss_mask`` / ``old_logprobs``.
+    For tree-packed samples, ``parents[b, t]`` (long) is the position whose logits predict token t, -1
+    where none does (then 0).
     """
     _check_logits(logits, input_ids)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return _shift_right(picked)
+    if parents is None:
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return _shift_right(picked)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vocab = logp.shape[-1]
+    flat = parents.clamp(min=0) * vocab + input_ids
+    picked = logp.reshape(logp.shape[0], -1).gather(1, flat)
+    return torch.where(parents >= 0, picked, 0.0)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
+def entropy_from_logits(logits: Tensor, parents: Tensor | None = None) -> Tensor:
     """Entropy (nats) of the distribution each token was drawn from, aligned like :func:`token_logprobs`.
 
-    ``out[b, t] = H(p(· | input_ids[b, :t]))``, position 0 is 0. Float32 ``[B, T]``.
+    ``out[b, t] = H(p(· | input_ids[b, :t]))``, position 0 is 0. Float32 ``[B, T]``. ``parents`` as in
+    :func:`token_logprobs`.
     """
     _check_logits(logits)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return _shift_right(-(logp.exp() * logp).sum(-1))
+    if parents is None:
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        return _shift_right(-(logp.exp() * logp).sum(-1))
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.where(parents >= 0, entropy.gather(1, parents.clamp(min=0)), 0.0)
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

@@ -1,18 +1,20 @@
 """Training samples and how they become tensors: one :class:`Sample` per sequence, micro-batches, padding.
 
-A sample is one training sequence (today: one model call = one timeline). Every per-token list has one
-entry per token id; advantages and old log-probabilities are 0.0 where the loss mask is 0, so padding and
-prompt tokens never enter the loss.
+A sample is one training sequence: one model call, several calls merged into their longest one, or a
+prefix tree of calls packed depth-first (``parents`` set; see ``ajet_hpc.algo.merge``). Every per-token
+list has one entry per token id; advantages and old log-probabilities are 0.0 where the loss mask is 0,
+so padding and prompt tokens never enter the loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 _PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "advantages")
+_OPTIONAL_PER_TOKEN_FIELDS = ("weights", "parents")
 
 
 @dataclass
@@ -26,20 +28,28 @@ class Sample:
     policy_version: int  # the policy version that sampled the trainable tokens
     episode_id: str
     task_id: str
-    weight: float = 1.0  # loss weight of the whole sample (episode weighting, later merging)
+    weight: float = 1.0  # loss weight of every token of the sample, unless `weights` is set
+    weights: list[float] | None = None  # per-token loss weights (merged calls of unequal weights)
+    parents: list[int] | None = None  # tree samples: position of each token's predecessor, -1 for none
+    calls: list[int] = field(default_factory=list)  # the episode's call indices whose tokens train here
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("Sample.token_ids is empty: a sample needs at least one token")
         n = len(self.token_ids)
-        for name in _PER_TOKEN_FIELDS:
-            got = len(getattr(self, name))
-            if got != n:
+        for name in _PER_TOKEN_FIELDS + _OPTIONAL_PER_TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
                 raise ValueError(
-                    f"Sample.{name} has {got} entries but token_ids has {n}: give one entry per token"
+                    f"Sample.{name} has {len(value)} entries but token_ids has {n}: give one entry per token"
                 )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("Sample.loss_mask must hold only 0 and 1")
+        if self.parents is not None:
+            if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):
+                raise ValueError("Sample.parents must point to an earlier position (or be -1)")
+            if any(m and parent < 0 for m, parent in zip(self.loss_mask, self.parents, strict=True)):
+                raise ValueError("Sample.loss_mask is 1 on a first token (parent -1), which has no context")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -77,11 +87,17 @@ def pack_micro_batches(samples: list[Sample], token_budget: int) -> list[list[in
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
-    """Right-pad ``samples`` to the longest one and stack them; every tensor has shape ``[B, T]``.
+    """Right-pad ``samples`` to the longest one and stack them; tensors are ``[B, T]`` unless noted.
 
     Keys: ``input_ids`` (long, ``pad_id`` on padding), ``attention_mask`` (long, 1 on real tokens),
-    ``loss_mask`` (long), ``old_logprobs``, ``advantages`` and ``weights`` (float32; ``weights`` holds the
-    sample's weight on each of its tokens). Every padding position is 0 except ``input_ids``.
+    ``loss_mask`` (long), ``old_logprobs``, ``advantages`` and ``weights`` (float32, each token's loss
+    weight). Every padding position is 0 except ``input_ids``.
+
+    When a sample is a tree (``parents`` set), three keys change or appear: ``attention_mask`` becomes a
+    boolean ``[B, 1, T, T]`` mask (query i sees key j iff j is i or an ancestor of i; a padding position
+    sees itself only), ``position_ids`` holds each token's depth in its own sequence, and ``parents`` (long)
+    the position whose logits predict each token (-1: none). Plain samples in the same batch get the
+    causal equivalents, so one forward serves both.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -101,5 +117,34 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
         out["loss_mask"][row, :n] = torch.tensor(s.loss_mask, dtype=torch.long)
         out["old_logprobs"][row, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
         out["advantages"][row, :n] = torch.tensor(s.advantages, dtype=torch.float32)
-        out["weights"][row, :n] = s.weight
+        out["weights"][row, :n] = torch.tensor(s.weights) if s.weights is not None else s.weight
+    if any(s.parents is not None for s in samples):
+        out.update(_tree_inputs(samples, t))
     return out
+
+
+def _tree_inputs(samples: list[Sample], t: int) -> dict[str, Tensor]:
+    b = len(samples)
+    parents = torch.full((b, t), -1, dtype=torch.long)
+    depth = torch.zeros((b, t), dtype=torch.long)
+    mask = torch.zeros((b, 1, t, t), dtype=torch.bool)
+    arange = torch.arange(t)
+    for row, s in enumerate(samples):
+        n = len(s)
+        own = list(range(-1, n - 1)) if s.parents is None else s.parents
+        parents[row, :n] = torch.tensor(own, dtype=torch.long)
+        # depth first layout: j is an ancestor of i iff j <= i < end[j], end[j] = j + size of j's subtree
+        size = [1] * n
+        level = [0] * n
+        for i in range(n - 1, -1, -1):
+            if own[i] >= 0:
+                size[own[i]] += size[i]
+        for i in range(n):
+            level[i] = level[own[i]] + 1 if own[i] >= 0 else 0
+        end = torch.arange(t) + 1  # padding: itself only
+        end[:n] = torch.arange(n) + torch.tensor(size)
+        depth[row, :n] = torch.tensor(level)
+        if n < t:
+            depth[row, n:] = torch.arange(t - n) + (max(level) + 1)
+        mask[row, 0] = (arange[None, :] <= arange[:, None]) & (arange[:, None] < end[None, :])
+    return {"attention_mask": mask, "position_ids": depth, "parents": parents}

@@ -7,6 +7,7 @@ from ajet_hpc.config.overrides import apply_overrides
 from ajet_hpc.config.topology import (
     ClientGroupConfig,
     ClusterConfig,
+    MergeConfig,
     RunConfig,
     ServerConfig,
     ServingConfig,
@@ -20,6 +21,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "ConfigIssue",
+    "MergeConfig",
     "RunConfig",
     "ServerConfig",
     "ServingConfig",

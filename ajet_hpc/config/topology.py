@@ -90,6 +90,27 @@ class ClusterConfig(BaseModel):
     )
 
 
+class MergeConfig(BaseModel):
+    """How an episode's model calls become training samples (docs/merging.md). The loss is the same."""
+
+    model_config = _MODEL_CONFIG
+
+    mode: Literal["none", "linear", "tree"] = Field(
+        default="linear",
+        description="'none': one sample per call; 'linear': a call that is a prefix of a later call of its "
+        "episode trains inside it; 'tree': linear, then the episode's forks packed into one prefix tree.",
+    )
+    level: Literal["token", "text"] = Field(
+        default="token",
+        description="Prefix test of linear merging: 'token' compares token ids (exact); 'text' compares the "
+        "decoded text and reports each place where it trusted text over differing tokens.",
+    )
+    tree_scope: Literal["episode", "group"] = Field(
+        default="episode",
+        description="With mode 'tree': pack each episode, or each task group (one tree per task).",
+    )
+
+
 class TrainerConfig(BaseModel):
     """The trainer that runs next to a server's engine (GRPO on DeepSpeed ZeRO)."""
 
@@ -128,6 +149,12 @@ class TrainerConfig(BaseModel):
     )
     turn_gamma: float = Field(
         default=1.0, ge=0, le=1, description="Discount of later per-turn rewards in a turn's return."
+    )
+    merge: MergeConfig = Field(default_factory=MergeConfig, description="Timeline merging (docs/merging.md).")
+    loss_weighting: Literal["token", "episode"] = Field(
+        default="token",
+        description="'token': every trained token weighs the same; 'episode': every episode of a batch "
+        "weighs the same, however many tokens (or samples, merged or not) it has.",
     )
     total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
     save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")

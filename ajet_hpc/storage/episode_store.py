@@ -555,6 +555,9 @@ class EpisodeReader:
                     episode_id=extra["episode_id"],
                     task_id=extra["task_id"],
                     weight=float(row["weight"]),
+                    weights=extra.get("weights"),
+                    parents=extra.get("parents"),
+                    calls=extra.get("calls", []),
                 )
             )
         return samples

@@ -34,6 +34,7 @@ import h5py
 import numpy as np
 
 if TYPE_CHECKING:
+    from ajet_hpc.algo.samples import Sample
     from ajet_hpc.storage.episode_store import EpisodeRecord, StepRecord
 
 log = logging.getLogger(__name__)
@@ -567,6 +568,16 @@ def encode_episode(record: EpisodeRecord) -> Append:
     )
 
 
+def sample_extras(sample: Sample) -> dict:
+    """What a sample's JSON record holds besides its token columns (optional keys only when set)."""
+    extras: dict = {"episode_id": sample.episode_id, "task_id": sample.task_id, "calls": list(sample.calls)}
+    if sample.weights is not None:
+        extras["weights"] = list(sample.weights)
+    if sample.parents is not None:
+        extras["parents"] = list(sample.parents)
+    return extras
+
+
 def encode_step(record: StepRecord) -> Append:
     """A training step as rows, offsets and column values."""
     samples = record.samples
@@ -574,7 +585,7 @@ def encode_step(record: StepRecord) -> Append:
     for i, (s, n) in enumerate(zip(samples, lengths.tolist(), strict=True)):
         if not len(s.loss_mask) == len(s.advantages) == len(s.old_logprobs) == n:
             raise ValueError(f"sample {i} has loss mask, advantages or old logprobs of the wrong length")
-    sample_json = [_json({"episode_id": s.episode_id, "task_id": s.task_id}) for s in samples]
+    sample_json = [_json(sample_extras(s)) for s in samples]
     step_json = _json({"metrics": record.metrics})
     joined = b"".join(sample_json)
     return Append(

@@ -20,8 +20,6 @@ import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ajet_hpc.algo.credit import episode_token_advantages, turn_returns
-from ajet_hpc.algo.samples import Sample
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 
@@ -135,45 +133,6 @@ class BatchCollector:
                 return batch
             self._changed.clear()
             await self._changed.wait()
-
-
-def build_samples(batch: Batch, gamma: float) -> list[Sample]:
-    """One sample per recorded model call, with GRPO advantages per task group.
-
-    Without per-turn rewards every answer of an episode gets the episode's group-normalised reward. With
-    them (``turn_rewards``, one per answer), answer k's tokens get the normalised return of turn k, see
-    ``ajet_hpc.algo.credit`` and docs/grpo.md.
-    """
-    samples: list[Sample] = []
-    for group in batch.groups:
-        returns = [_episode_returns(episode, gamma) for episode in group]
-        calls = [(e, t) for e, episode in enumerate(group) for t in range(len(episode.timelines))]
-        timelines = [timeline for episode in group for timeline in episode.timelines]
-        masks = [timeline.loss_mask for timeline in timelines]
-        advantages = episode_token_advantages(returns, calls, masks)
-        for (e, _), timeline, per_token in zip(calls, timelines, advantages, strict=True):
-            episode = group[e]
-            samples.append(
-                Sample(
-                    token_ids=timeline.token_ids,
-                    loss_mask=list(timeline.loss_mask),
-                    old_logprobs=[0.0] * len(timeline.prompt_ids) + list(timeline.response_logprobs),
-                    advantages=per_token,
-                    policy_version=timeline.policy_version,
-                    episode_id=episode.episode_id,
-                    task_id=episode.task_id or episode.episode_id,
-                )
-            )
-    return samples
-
-
-def _episode_returns(episode: Episode, gamma: float) -> list[float]:
-    """One return per answer of the episode: the episode reward, or per-turn returns when reported."""
-    calls = len(episode.timelines)
-    reward = float(episode.reward or 0.0)
-    if not episode.turn_rewards:
-        return [reward] * calls
-    return list(turn_returns(episode.turn_rewards, reward, gamma))
 
 
 def reward_stats(batch: Batch) -> tuple[float, float]:

@@ -20,12 +20,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import Batch, BatchCollector, build_samples, reward_stats
+from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed
+from ajet_hpc.trainer.samples import build_samples
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +115,13 @@ class Coordinator:
     async def _train_step(self, channel: TrainerChannel, batch: Batch) -> None:
         started = time.monotonic()
         step = self.step + 1
-        samples = build_samples(batch, self.config.turn_gamma)
+        samples, merging = build_samples(batch, self.config, self._decode)
         save = step % self.config.save_every == 0 or step == self.config.total_steps
         on_policy = self.config.max_staleness == 0
         if on_policy:
             self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
-            self._in_flight = _InFlight(step, batch, samples, started)
+            self._in_flight = _InFlight(step, batch, samples, merging, started)
             channel.submit(step, samples, save_checkpoint=save)
             result = await channel.wait_result(step)
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
@@ -132,7 +134,7 @@ class Coordinator:
         self._in_flight = None
         self.step = step
         self.collector.set_policy_version(step)
-        self._record(batch, samples, result, time.monotonic() - started, sync_s)
+        self._record(batch, samples, merging, result, time.monotonic() - started, sync_s)
 
     def save_on_signal(self, timeout_s: float) -> int | None:
         """Checkpoint now, on Slurm's pre-timeout or preemption signal, so that the requeued job resumes here.
@@ -154,7 +156,12 @@ class Coordinator:
             result = channel.wait_result_blocking(in_flight.step, max(1.0, deadline - time.monotonic()))
             self.step = in_flight.step
             self._record(
-                in_flight.batch, in_flight.samples, result, time.monotonic() - in_flight.started, 0.0
+                in_flight.batch,
+                in_flight.samples,
+                in_flight.merging,
+                result,
+                time.monotonic() - in_flight.started,
+                0.0,
             )
         if self.step == 0:
             channel.request_stop()
@@ -169,7 +176,14 @@ class Coordinator:
         channel.request_stop()
         return self.step
 
-    def _record(self, batch: Batch, samples, result: dict, step_s: float, sync_s: float) -> None:
+    def _decode(self, ids: list[int]) -> str:
+        return self.ctx.engine.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def _record(
+        self, batch: Batch, samples, merging: MergeStats, result: dict, step_s: float, sync_s: float
+    ) -> None:
         mean, std = reward_stats(batch)
         lag = [self.step - 1 - sample.policy_version for sample in samples]
         row = {
@@ -179,6 +193,7 @@ class Coordinator:
             "reward_std": std,
             **{key: result.get(key) for key in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens")},
             "samples": len(samples),
+            **merging.metrics(),
             "episodes": len(batch.episodes),
             "step_time_s": round(step_s, 4),
             "train_time_s": result.get("step_time_s"),
@@ -193,7 +208,8 @@ class Coordinator:
         if self.ctx.recorder is not None:
             self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
-            "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  step %.2fs  weight sync %.0f ms",
+            "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  samples %d→%d  step %.2fs  "
+            "weight sync %.0f ms",
             self.step,
             self.config.total_steps,
             mean,
@@ -201,6 +217,8 @@ class Coordinator:
             result.get("loss") or 0.0,
             _fmt(result.get("entropy")),
             result.get("tokens"),
+            merging.samples_before,
+            merging.samples_after,
             step_s,
             sync_s * 1000,
         )
@@ -226,6 +244,7 @@ class _InFlight:
     step: int
     batch: Batch
     samples: list
+    merging: MergeStats
     started: float
 
 

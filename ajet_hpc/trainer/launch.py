@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -90,6 +91,15 @@ def rank_environment(base: Mapping[str, str], *, on_gpu: bool, nodes: int) -> di
     return env
 
 
+def _ignore_checkpoint_signal() -> None:
+    """In the child, before exec: ignore SIGUSR2 (inherited through exec by torchrun/srun and the ranks).
+
+    Slurm sends its pre-timeout/preemption signal to every process of the job. The server handles it by
+    asking the ranks to checkpoint (``ajet_hpc.server.preemption``); USR2's default action would kill them
+    first."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def start_ranks(
     work_dir: Path,
     model_dir: Path,
@@ -129,4 +139,5 @@ def start_ranks(
             stderr=subprocess.STDOUT,
             env=environment,
             start_new_session=True,
+            preexec_fn=_ignore_checkpoint_signal,
         )

@@ -66,14 +66,18 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
     if normalizer == 0:
         raise ValueError("the batch has no trainable token (every loss_mask is all 0)")
     sums = dict.fromkeys(_SUMS, 0.0)
+    attention = getattr(engine.module.config, "_attn_implementation", "sdpa")
+    dtype = next(engine.module.parameters()).dtype
     for micro in plan_micro_batches(samples, world_size, rank, config.micro_batch_tokens):
         batch = {
             k: v.to(models.device) for k, v in collate([samples[i] for i in micro.indices], pad_id).items()
         }
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logprobs = token_logprobs(logits, batch["input_ids"])
+        logits = engine(**model_inputs(batch, attention, dtype)).logits
+        logprobs = token_logprobs(logits, batch["input_ids"], batch.get("parents"))
         old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
-        ref = _reference_logprobs(models, batch) if models.reference is not None else None
+        ref = None
+        if models.reference is not None:
+            ref = _reference_logprobs(models, model_inputs(batch, attention, dtype), batch)
         loss, metrics = policy_loss(
             logprobs,
             old,
@@ -94,7 +98,7 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
             sums["tokens"] += tokens
             sums["clip"] += metrics["clip_frac"] * tokens
             sums["kl"] += metrics.get("kl", 0.0) * tokens
-            entropy = entropy_from_logits(logits.detach())
+            entropy = entropy_from_logits(logits.detach(), batch.get("parents"))
             sums["entropy"] += float(torch.where(mask, entropy, 0.0).sum()) * micro.scale
         del logits, logprobs, loss
     totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=models.device)
@@ -117,7 +121,35 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
     }
 
 
-def _reference_logprobs(models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def model_inputs(
+    batch: dict[str, torch.Tensor], attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The forward's arguments for a collated batch: ids and mask, plus position ids for tree samples.
+
+    A tree batch's ``[B, 1, T, T]`` boolean mask goes to SDPA attention as it is (True = may attend); eager
+    attention adds its mask to the scores, so it gets 0 / the dtype's minimum instead. Other kernels
+    (flash attention) take no arbitrary mask: tree merging is refused there.
+    """
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "position_ids" not in batch:
+        return inputs
+    inputs["position_ids"] = batch["position_ids"]
+    if attn_implementation == "eager":
+        mask = batch["attention_mask"]
+        inputs["attention_mask"] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    elif attn_implementation != "sdpa":
+        raise ValueError(
+            f"tree-packed samples need 'sdpa' or 'eager' attention (a 4-D mask); this model uses "
+            f"{attn_implementation!r}: set trainer.merge.mode to 'linear' or load the model with sdpa"
+        )
+    return inputs
+
+
+def _reference_logprobs(
+    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
     with torch.no_grad():
-        logits = models.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return token_logprobs(logits, batch["input_ids"])
+        logits = models.reference(**inputs).logits
+        return token_logprobs(logits, batch["input_ids"], batch.get("parents"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -68,6 +69,9 @@ def setup_rank_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Slurm's checkpoint signal reaches every process of the job (on every node, for srun ranks); the
+    # server answers it by asking the ranks to save (save-request), so the ranks must survive it.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     env = rank_env(os.environ)
     setup_rank_logging(env.rank)
     offline_hub()

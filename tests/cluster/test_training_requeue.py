@@ -89,7 +89,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         saved_at = int(saved[0])
         assert saved_at < TOTAL, "the run finished before the preemption: raise TOTAL"
         assert steps(run) == list(range(1, saved_at + 1))  # recorded up to the saved step, nothing lost
-        first = wait_until(resumes, 300, "the preempted server to resume")
+        first = wait_until(lambda: resumes(run), 300, "the preempted server to resume")
         assert first == [saved_at]
 
         # 2. scontrol requeue: no signal, so it resumes at its last periodic (or signal) checkpoint

@@ -1,0 +1,180 @@
+"""From a batch of finished episodes to training samples: credit, loss weights, then timeline merging.
+
+1. One sample per recorded model call, with GRPO advantages per task group. Without per-turn rewards every
+   answer of an episode gets the episode's group-normalised reward; with them (``turn_rewards``, one per
+   answer) answer k's tokens get the normalised return of turn k (``ajet_hpc.algo.credit``, docs/grpo.md).
+2. Loss weights: ``token`` leaves every trained token at weight 1; ``episode`` gives the tokens of each
+   episode the weight that makes every episode count the same.
+3. Merging (``trainer.merge``, docs/merging.md): linear within each episode, then optionally a prefix tree
+   per episode or per task group. Weights and advantages are per token, so merging changes no loss term.
+
+`MergeStats` reports samples and tokens before and after, snap points (calls the conversation continues but
+that did not merge, and why) and the drift the server recorded in the batch's calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from ajet_hpc.algo import merge
+from ajet_hpc.algo.credit import episode_token_advantages, turn_returns
+from ajet_hpc.algo.merge import MergeStats, Snap
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.config import MergeConfig, TrainerConfig
+from ajet_hpc.server.episodes import Episode
+from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
+from ajet_hpc.trainer.collector import Batch
+
+
+def build_samples(
+    batch: Batch, config: TrainerConfig, decode: Callable[[list[int]], str] | None = None
+) -> tuple[list[Sample], MergeStats]:
+    """The batch's training samples and what merging did. ``decode`` is needed for text-level merging."""
+    per_call = [call_samples(group, config.turn_gamma) for group in batch.groups]
+    if config.loss_weighting == "episode":
+        weigh_episodes([s for group in per_call for episode in group for s in episode])
+    stats = MergeStats()
+    samples: list[Sample] = []
+    for group, group_samples in zip(batch.groups, per_call, strict=True):
+        merged_group: list[Sample] = []
+        for episode, calls in zip(group, group_samples, strict=True):
+            stats.samples_before += len(calls)
+            stats.tokens_before += sum(len(s) for s in calls)
+            for timeline in episode.timelines:
+                for event in timeline.drift:
+                    stats.drift[event.kind] = stats.drift.get(event.kind, 0) + 1
+            merged, snaps = merge_episode(episode, calls, config.merge, decode)
+            stats.add_snaps(snaps)
+            merged_group.extend(merged)
+        if config.merge.mode == "tree" and config.merge.tree_scope == "group" and len(merged_group) > 1:
+            merged_group = [merge.pack_tree(merged_group)]
+        samples.extend(merged_group)
+    stats.samples_after = len(samples)
+    stats.tokens_after = sum(len(s) for s in samples)
+    return samples, stats
+
+
+def call_samples(group: list[Episode], gamma: float) -> list[list[Sample]]:
+    """Per episode of a task group, one sample per call (``calls=[k]``), with its turn's advantages."""
+    returns = [_episode_returns(episode, gamma) for episode in group]
+    calls = [(e, t) for e, episode in enumerate(group) for t in range(len(episode.timelines))]
+    timelines = [timeline for episode in group for timeline in episode.timelines]
+    advantages = episode_token_advantages(returns, calls, [t.loss_mask for t in timelines])
+    out: list[list[Sample]] = [[] for _ in group]
+    for (e, t), timeline, per_token in zip(calls, timelines, advantages, strict=True):
+        episode = group[e]
+        out[e].append(
+            Sample(
+                token_ids=timeline.token_ids,
+                loss_mask=list(timeline.loss_mask),
+                old_logprobs=[0.0] * len(timeline.prompt_ids) + list(timeline.response_logprobs),
+                advantages=per_token,
+                policy_version=timeline.policy_version,
+                episode_id=episode.episode_id,
+                task_id=episode.task_id or episode.episode_id,
+                calls=[t],
+            )
+        )
+    return out
+
+
+def weigh_episodes(samples: list[Sample]) -> None:
+    """Set each sample's weight so that every episode's trained tokens weigh the same in total.
+
+    Token weight of episode e: ``T / (E * T_e)`` with ``T`` the batch's trained tokens, ``E`` its episodes
+    with a trained token and ``T_e`` episode e's; the weights then still sum to ``T`` (the step's token
+    normaliser), and each episode to ``T / E``.
+    """
+    tokens = Counter[str]()
+    for sample in samples:
+        tokens[sample.episode_id] += sum(sample.loss_mask)
+    total, episodes = sum(tokens.values()), sum(1 for n in tokens.values() if n)
+    for sample in samples:
+        n = tokens[sample.episode_id]
+        sample.weight = total / (episodes * n) if n else 1.0
+
+
+def merge_episode(
+    episode: Episode, calls: list[Sample], config: MergeConfig, decode: Callable[[list[int]], str] | None
+) -> tuple[list[Sample], list[Snap]]:
+    """One episode's call samples merged as configured, and the snaps met."""
+    if config.mode == "none" or len(calls) < 2:
+        return calls, []
+    merged, snaps = merge.merge_linear(calls, level=config.level, decode=decode)
+    snaps += explain_snaps(episode.episode_id, episode.timelines, merged, decode)
+    if config.mode == "tree" and config.tree_scope == "episode" and len(merged) > 1:
+        merged = [merge.pack_tree(merged)]
+    return merged, snaps
+
+
+def explain_snaps(
+    episode_id: str,
+    timelines: list[Timeline],
+    merged: list[Sample],
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[Snap]:
+    """Calls that a later call of the episode continues (its messages start with the call's messages and
+    reply) but that did not merge into it, each with the likeliest reason."""
+    absorbed_into = {}
+    for sample in merged:
+        for call in sample.calls:
+            absorbed_into[call] = sample
+    snaps = []
+    for k, earlier in enumerate(timelines):
+        later = _continuation(earlier, timelines[k + 1 :])
+        if later is None:
+            continue
+        j = k + 1 + later
+        if absorbed_into.get(k) is absorbed_into.get(j):
+            continue  # merged (possibly into a call after j)
+        if _tools_key(earlier.tools) != _tools_key(timelines[j].tools):
+            reason = merge.TOOLS_CHANGED
+        elif any(event.kind == TEMPLATE_DROPPED_CONTENT for event in timelines[j].drift):
+            reason = merge.TEMPLATE_DROPPED_CONTENT
+        elif _text_prefix(earlier, timelines[j], decode):
+            reason = merge.TOKENS_DIFFERED
+        else:
+            reason = merge.TEXT_DIFFERED
+        ids, other = earlier.token_ids, timelines[j].token_ids
+        parted = next((p for p, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), len(ids))
+        snaps.append(Snap(episode_id, k, j, reason, parted))
+    return snaps
+
+
+def _continuation(earlier: Timeline, later: list[Timeline]) -> int | None:
+    """Index in ``later`` of the first call whose request continues ``earlier``'s conversation."""
+    mine = [_message_key(m) for m in earlier.messages]
+    for index, timeline in enumerate(later):
+        request = timeline.messages[:-1]  # the last one is the reply
+        if len(request) > len(mine) and [_message_key(m) for m in request[: len(mine)]] == mine:
+            return index
+    return None
+
+
+def _message_key(message: dict) -> tuple:
+    calls = message.get("tool_calls") or []
+    return (
+        message.get("role"),
+        (message.get("content") or "").strip(),
+        tuple((c.get("function") or {}).get("name", "") for c in calls if isinstance(c, dict)),
+    )
+
+
+def _tools_key(tools: list[dict] | None) -> tuple:
+    return tuple(sorted(str(tool) for tool in tools or ()))
+
+
+def _text_prefix(earlier: Timeline, later: Timeline, decode: Callable[[list[int]], str] | None) -> bool:
+    """Whether the later prompt's text starts with the earlier call's text (then only tokenization parted
+    them). Unknown without ``decode``: False."""
+    return decode is not None and decode(later.prompt_ids).startswith(decode(earlier.token_ids))
+
+
+def _episode_returns(episode: Episode, gamma: float) -> list[float]:
+    """One return per answer of the episode: the episode reward, or per-turn returns when reported."""
+    calls = len(episode.timelines)
+    reward = float(episode.reward or 0.0)
+    if not episode.turn_rewards:
+        return [reward] * calls
+    return list(turn_returns(episode.turn_rewards, reward, gamma))
