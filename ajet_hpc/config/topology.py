@@ -171,6 +171,13 @@ class ServingConfig(BaseModel):
         default=1024, ge=1, description="Largest max_tokens a request may ask for (and the default)."
     )
     max_n: int = Field(default=8, ge=1, description="Largest n (answers per request) a request may ask for.")
+    keep_history: bool = Field(
+        default=False,
+        description="Where the chat template renders an earlier answer otherwise than it was sampled "
+        "(reasoning dropped, tool calls re-serialized), put the recorded answer in the prompt whole: the "
+        "model sees what it wrote, and the episode's calls stay prefixes of each other, so they merge "
+        "(docs/merging.md).",
+    )
     episode_timeout_s: float = Field(
         default=600.0,
         gt=0,

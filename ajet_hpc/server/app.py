@@ -41,7 +41,10 @@ class ServerContext:
     def __post_init__(self) -> None:
         self.service = Service(self.engine, self.settings, self.name)
         self.episodes = EpisodeRegistry(
-            self.name, lambda: self.engine.tokenizer, self.settings.episode_timeout_s
+            self.name,
+            lambda: self.engine.tokenizer,
+            self.settings.episode_timeout_s,
+            keep_history=self.settings.keep_history,
         )
         self.admission = asyncio.Event()
         self.admission.set()

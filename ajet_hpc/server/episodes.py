@@ -77,9 +77,12 @@ class EpisodeRegistry:
         tokenizer: Callable[[], PreTrainedTokenizerBase],
         timeout_s: float,
         keep_closed: int = 10_000,
+        keep_history: bool = False,
     ) -> None:
-        """``tokenizer`` gives the engine's tokenizer (available once the engine has started)."""
+        """``tokenizer`` gives the engine's tokenizer (available once the engine has started);
+        ``keep_history`` is the trackers' switch (``ServingConfig.keep_history``)."""
         self.model, self.tokenizer, self.timeout_s = model, tokenizer, timeout_s
+        self.keep_history = keep_history
         self._open: dict[str, Episode] = {}
         self._closed: dict[str, Episode] = {}
         self._closed_order: deque[str] = deque()
@@ -96,7 +99,7 @@ class EpisodeRegistry:
         episode = Episode(
             episode_id=f"ep-{uuid.uuid4().hex}",
             model=self.model,
-            tracker=ContextTracker(self.tokenizer()),
+            tracker=ContextTracker(self.tokenizer(), keep_history=self.keep_history),
             task_id=task_id,
             group=group,
             metadata=dict(metadata),

@@ -44,6 +44,7 @@ from ajet_hpc.tracking.layout import Layout, TemplateLayout, chain_key, common_p
 from ajet_hpc.tracking.timeline import (
     ANSWER_NOT_FOUND,
     CONTEXT_RETOKENIZED,
+    HISTORY_KEPT,
     MODEL,
     RETOKENIZED_DIFFERENTLY,
     SYSTEM,
@@ -89,6 +90,7 @@ class _Span:
     end: int
     ids: tuple[int, ...]
     message_index: int
+    kept: bool = False  # keep_history: the recorded answer replaces a different rendering of it
 
 
 def _content_text(content: Any) -> str:
@@ -130,13 +132,17 @@ def _turn_key(message: dict[str, Any]) -> str:
 class ContextTracker:
     """The timelines of one episode and the answers its later prompts reuse. Thread-safe."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, keep_history: bool = False) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError("ContextTracker needs a fast tokenizer (it uses the offsets mapping)")
         self.tokenizer = tokenizer
         self._layout = TemplateLayout(tokenizer)
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self._backend = _direct_backend(tokenizer)
+        self.keep_history = keep_history
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials = {token.content for token in added.values() if getattr(token, "special", False)}
+        self._special_texts = sorted(specials | set(tokenizer.all_special_tokens), key=len, reverse=True)
         self._answers: dict[str, list[_Answer]] = {}
         self._timelines: list[Timeline] = []
         self._lock = threading.Lock()
@@ -246,11 +252,21 @@ class ContextTracker:
             start, end = layout.bounds[index], layout.bounds[index + 1]
             expected = start + common_prefix_length(layout.text[start:end], header)
             span = None
-            for ids, text in answer.variants:
+            for variant, (ids, text) in enumerate(answer.variants):
                 found = _locate(layout.text, text, expected, start, end)
                 if found is not None:
                     span = _Span(found, found + len(text), ids, index)
+                    if variant and self.keep_history:  # sampled another stop token than the template writes
+                        span = self._with_own_stop(layout.text, span, answer.variants[0][0])
+                        if span.kept:
+                            detail = "the answer's own stop token replaces the template's closing marker"
+                            drift.append(DriftEvent(index, HISTORY_KEPT, detail))
                     break
+            if span is None and self.keep_history:
+                span = self._kept_span(layout.text, answer, expected, index)
+                if span is not None:
+                    detail = "the template renders this answer otherwise; the recorded answer is used whole"
+                    drift.append(DriftEvent(index, HISTORY_KEPT, detail))
             if span is None:
                 if answer.variants:
                     detail = "the rendered message lacks the recorded answer's text; template tokens used"
@@ -258,6 +274,29 @@ class ContextTracker:
                 continue
             spans.append(span)
         return spans
+
+    def _with_own_stop(self, text: str, span: _Span, full_ids: tuple[int, ...]) -> _Span:
+        """keep_history, for an answer found without its stop token: when a special token (the template's
+        closing marker) follows it in the text, the sampled stop token takes its place."""
+        for special in self._special_texts:
+            if text.startswith(special, span.end):
+                return _Span(span.start, span.end + len(special), full_ids, span.message_index, kept=True)
+        return span
+
+    def _kept_span(self, text: str, answer: _Answer, expected: int, index: int) -> _Span | None:
+        """keep_history: the part of the rendered message that the recorded answer replaces: from the end of
+        the assistant header through the template's closing marker (the first special token after the
+        header) when the answer ended with a stop token of its own, else up to that marker."""
+        if not answer.variants:
+            return None
+        ids = answer.variants[0][0]
+        found = [(text.find(special, expected), special) for special in self._special_texts]
+        found = [(at, special) for at, special in found if at >= 0]
+        if not found:
+            return None
+        at, marker = min(found)
+        stopped = bool(ids) and ids[-1] in self._special_ids
+        return _Span(expected, at + len(marker) if stopped else at, ids, index, kept=True)
 
     def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         if not text:
@@ -316,6 +355,8 @@ class ContextTracker:
 
         drift = []
         for span in spans:
+            if span.kept:  # knowingly not the template's rendering (reported as history_kept)
+                continue
             retokenized = whole(span.start, span.end)
             if list(span.ids) != retokenized or not (clean_cut(span.start) and clean_cut(span.end)):
                 detail = (

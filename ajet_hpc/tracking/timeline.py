@@ -34,6 +34,9 @@ sampled text (reasoning stripped, arguments re-serialized...); the template's to
 CONTEXT_RETOKENIZED = "context_retokenized"
 """Tokenizing the context between spliced answers piece by piece gives other ids than tokenizing the whole
 rendered text (a token merges across an answer's edge); the pieces' ids are used."""
+HISTORY_KEPT = "history_kept"
+"""``keep_history`` is on and the chat template renders an earlier answer otherwise than it was sampled: the
+recorded answer's ids replace that rendering whole (not a fault; reported so the difference is visible)."""
 TEMPLATE_NOT_INCREMENTAL = "template_not_incremental"
 """Rendering the first k messages is not a prefix of rendering them all; authors near that message are
 approximate."""

@@ -33,3 +33,26 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     for row in rows:
         assert row["policy_version"] == row["step"] and row["weight_sync_s"] is not None
     assert (run / "ckpt" / "policy" / "ds" / "trainer_state.json").is_file()
+
+
+def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
+    """The guessing game (up to four calls per episode) with linear merging: every step trains fewer
+    samples than there were calls, and the same trained tokens."""
+    run = tmp_path / "guess"
+    done = run_module(
+        "ajet_hpc.launch",
+        str(REPO / "configs" / "guess.yaml"),
+        f"run.dir={run}",
+        "servers.policy.trainer.total_steps=3",
+        "servers.policy.trainer.tasks_per_batch=4",
+        timeout_s=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["samples"] == row["episodes"]  # one linear conversation each: one sample
+        assert row["samples_before_merge"] > row["samples"]
+        assert row["tokens_before_merge"] > row["tokens_after_merge"]
+        assert row["merge_snaps"] == {}  # keep_history: re-serialized tool calls do not break prefixes
+        assert set(row["drift"]) <= {"history_kept"}

@@ -200,6 +200,14 @@ def test_reserialized_arguments_match_but_template_text_differs(tokenizer) -> No
     assert [(event.message_index, event.kind) for event in plan.drift] == [(1, "template_dropped_content")]
     assert plan.reused_spans == [] and plan.prompt_ids == encode(tokenizer, plan.text)
 
+    keeping = ContextTracker(tokenizer, keep_history=True)  # the sampled call text goes back whole
+    _, first = serve(keeping, [{"role": "user", "content": "Go"}], reply, encode(tokenizer, sampled), TOOLS)
+    kept = keeping.build_prompt(
+        [{"role": "user", "content": "Go"}, sent_back, {"role": "tool", "content": "x"}], TOOLS
+    )
+    assert [(event.message_index, event.kind) for event in kept.drift] == [(1, "history_kept")]
+    assert kept.prompt_ids[: len(first.token_ids)] == first.token_ids
+
 
 def test_truncated_answer_and_other_stop_token_are_reused(tokenizer) -> None:
     tracker = ContextTracker(tokenizer)
@@ -224,6 +232,16 @@ def test_truncated_answer_and_other_stop_token_are_reused(tokenizer) -> None:
     assert plan.drift == []
     assert [plan.prompt_ids[start:end] for start, end in plan.reused_spans] == [truncated, eot[:-1]]
     assert plan.prompt_ids == encode(tokenizer, plan.text)  # the template's own <|im_end|> closes both
+
+    keeping = ContextTracker(tokenizer, keep_history=True)  # the answer keeps its own stop token
+    serve(keeping, [{"role": "user", "content": "b"}], {"role": "assistant", "content": "Bye."}, eot)
+    kept = keeping.build_prompt(messages[2:])
+    assert [(event.message_index, event.kind) for event in kept.drift] == [(1, "history_kept")]
+    start, end = kept.reused_spans[0]
+    assert kept.prompt_ids[start:end] == eot
+    assert kept.prompt_ids[end:] == encode(
+        tokenizer, "\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_template_that_rewrites_earlier_turns_is_reported(tokenizer) -> None:
@@ -255,6 +273,25 @@ def test_template_that_rewrites_earlier_turns_is_reported(tokenizer) -> None:
     }
     assert plan.prompt_ids == encode(stripping, plan.text) and "hmm" not in plan.text
     assert tracker.build_prompt(messages).drift == []  # after the last user turn the answer is kept
+
+    # keep_history: the recorded answer, reasoning included, goes into the prompt whole, and the first
+    # call (prompt + answer) is then a token prefix of the second: the two merge
+    keeping = ContextTracker(stripping, keep_history=True)
+    _, first = serve(
+        keeping,
+        [{"role": "user", "content": "a"}],
+        {"role": "assistant", "content": answer},
+        encode(stripping, answer + "<|im_end|>"),
+    )
+    kept = keeping.build_prompt([*messages, {"role": "user", "content": "b"}])
+    assert {(event.message_index, event.kind) for event in kept.drift} == {
+        (1, "template_not_incremental"),
+        (1, "history_kept"),
+    }
+    assert kept.prompt_ids[: len(first.token_ids)] == first.token_ids
+    start, end = kept.reused_spans[0]
+    assert kept.prompt_ids[start:end] == first.response_ids
+    assert all(kept.token_authors[p] == MODEL for p in range(start, end))
 
 
 def test_timeline_round_trips_through_json(tokenizer) -> None:
