@@ -211,7 +211,8 @@ def pack_tree(samples: Sequence[Sample]) -> Sample:
     reaches it with the same token, except that a node is trainable for at most one sequence: a second
     sequence that trains the same token there gets a branch of its own (so the loss terms stay those of
     the separate samples). ``episode_id`` / ``task_id`` are the first sample's when all agree, else the
-    distinct ones joined with ``+``.
+    distinct ones joined with ``+``. When everything forms one chain the result is a plain sample
+    (``parents`` None).
     """
     if not samples:
         raise ValueError("pack_tree needs at least one sample")
@@ -261,6 +262,9 @@ def pack_tree(samples: Sequence[Sample]) -> Sample:
     weights = [values[n][2] if trained[n] else 0.0 for n in layout]
     kept = [w for n, w in zip(layout, weights, strict=True) if trained[n]]
     uniform = not kept or all(w == kept[0] for w in kept)
+    parents = [-1 if parent[n] < 0 else position[parent[n]] for n in layout]
+    if parents == list(range(-1, len(layout) - 1)):
+        parents = None  # one chain: a plain sample, which trains with the plain causal mask (faster)
     return Sample(
         token_ids=[token[n] for n in layout],
         loss_mask=[int(trained[n]) for n in layout],
@@ -271,7 +275,7 @@ def pack_tree(samples: Sequence[Sample]) -> Sample:
         task_id="+".join(tasks),
         weight=kept[0] if kept and uniform else 1.0,
         weights=None if uniform else weights,
-        parents=[-1 if parent[n] < 0 else position[parent[n]] for n in layout],
+        parents=parents,
         calls=calls,
     )
 

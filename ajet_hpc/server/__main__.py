@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
+from ajet_hpc.server import preemption
 from ajet_hpc.server.process import serve
+
+
+def _checkpoint_then_stop(signum, frame) -> None:
+    """SIGUSR2 outside submitit (sbatch/server.sbatch forwards Slurm's checkpoint signal): save the
+    trainer's state (``preemption``), then stop as on SIGTERM; the batch script requeues the job."""
+    preemption.run_hooks()
+    signal.raise_signal(signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="the run directory (written by python -m ajet_hpc.launch)")
     parser.add_argument("--name", help="server name from the topology (default: the only server)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGUSR2, _checkpoint_then_stop)
     return serve(args.run_dir, args.name)
 
 

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forked", type=int, nargs="*", default=[25], help="N of the forked variant")
     parser.add_argument("--episodes", type=int, default=1, help="episodes per training batch")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--micro-batch-tokens", type=int, default=TrainerConfig().micro_batch_tokens)
     args = parser.parse_args(argv)
     if args.quick:
         args.turns, args.forked, args.repeats = [5, 10], [10], 1

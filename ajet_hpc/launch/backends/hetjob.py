@@ -1,7 +1,8 @@
 """A small executor of our own for Slurm heterogeneous jobs (``#SBATCH hetjob``), which submitit lacks.
 
 The batch script starts one ``srun --het-group=K`` step per component in the background and waits. On the
-checkpoint signal (``--signal=B:USR2@delay`` reaches the batch shell) it asks Slurm to requeue the job.
+checkpoint signal (``--signal=B:USR2@delay`` reaches the batch shell) it passes the signal on to the server
+(which checkpoints its trainer and stops), then asks Slurm to requeue the job.
 """
 
 from __future__ import annotations
@@ -72,8 +73,11 @@ def hetjob_script(
     lines += ["", "# setup", *cluster.setup] if cluster.setup else []
     lines += [
         "",
+        "# the server (component 0) checkpoints its trainer and stops; then the job goes back in the queue",
         "requeue() {",
-        '  echo "checkpoint signal: requeueing job $SLURM_JOB_ID"',
+        '  echo "checkpoint signal: saving, then requeueing job $SLURM_JOB_ID"',
+        '  kill -USR2 "$SERVER_PID" 2>/dev/null || true',
+        '  wait "$SERVER_PID" || true',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "}",
         "trap requeue USR2",
@@ -84,6 +88,8 @@ def hetjob_script(
         srun = f"srun --het-group={index} --unbuffered --output={out} "
         lines.append(f"# component {index}: {component.name}")
         lines.append(srun + shlex.join(command) + " &")
+        if index == 0:
+            lines.append("SERVER_PID=$!")
     lines += [
         "",
         "# wait returns early when the trap fires; the second wait keeps the steps",
