@@ -6,6 +6,7 @@ call it makes is recorded under the episode, and the reward it returns closes th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +36,41 @@ class ModelHandle:
 
 @dataclass
 class Outcome:
-    """What an episode earned. ``turn_rewards``: one per model answer, in order (optional)."""
+    """What an episode earned.
+
+    ``reward`` goes to every model of the episode, unless ``rewards`` names a model's own reward (agents
+    that use several models reward each on its own terms). ``turn_rewards``: one per model answer, in
+    order (optional); with several models, a dict from model name to that model's list.
+    """
 
     reward: float
-    turn_rewards: list[float] | None = None
+    turn_rewards: list[float] | dict[str, list[float]] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     transcript: Any = None  # the agent's own record of the episode (JSON-serialisable), kept by the client
+    rewards: dict[str, float] | None = None
+
+    def reward_for(self, model: str) -> float:
+        if self.rewards is not None and model in self.rewards:
+            return float(self.rewards[model])
+        return float(self.reward)
+
+    def turn_rewards_for(self, model: str) -> list[float] | None:
+        if isinstance(self.turn_rewards, dict):
+            return self.turn_rewards.get(model)
+        return self.turn_rewards
+
+    def check_models(self, models: Iterable[str]) -> None:
+        """Raise ValueError when ``rewards`` or ``turn_rewards`` name a model the episode does not use."""
+        known = set(models)
+        named = set(self.rewards or ()) | (
+            set(self.turn_rewards) if isinstance(self.turn_rewards, dict) else set()
+        )
+        unknown = sorted(named - known)
+        if unknown:
+            raise ValueError(
+                f"the outcome rewards models {unknown} that this group does not use "
+                f"(its models: {sorted(known)})"
+            )
 
 
 @dataclass(frozen=True)

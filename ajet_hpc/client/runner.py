@@ -164,6 +164,7 @@ class GroupTask:
         handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
         try:
             outcome = as_outcome(self.agent(EpisodeContext(task=task, models=handles, repeat=repeat)))
+            outcome.check_models(begun)
         except Exception as exc:
             if _is_connection_error(exc):
                 raise ServerAway(str(exc)) from exc
@@ -174,14 +175,16 @@ class GroupTask:
             with self.tally.lock:
                 self.tally.aborted += 1
             return
-        for name, b in begun.items():
-            self.connect(name).end(b["episode_id"], outcome.reward, outcome.turn_rewards, outcome.metadata)
+        for name, b in begun.items():  # each model's episode ends with that model's own reward
+            self.connect(name).end(
+                b["episode_id"], outcome.reward_for(name), outcome.turn_rewards_for(name), outcome.metadata
+            )
         self.store.commit(
             Result(
                 task_id=task.id,
                 repeat=repeat,
                 reward=outcome.reward,
-                rewards=dict.fromkeys(begun, outcome.reward),
+                rewards={name: outcome.reward_for(name) for name in begun},
                 episode_ids={name: b["episode_id"] for name, b in begun.items()},
                 transcript=None
                 if outcome.transcript is None

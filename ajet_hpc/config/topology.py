@@ -150,6 +150,13 @@ class TrainerConfig(BaseModel):
     turn_gamma: float = Field(
         default=1.0, ge=0, le=1, description="Discount of later per-turn rewards in a turn's return."
     )
+    mix_wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="With client-group ratios: how long a batch waits for a slow group's share once the "
+        "other groups' shares are there; then it trains without the missing tasks and reports the shortfall.",
+    )
     merge: MergeConfig = Field(default_factory=MergeConfig, description="Timeline merging (docs/merging.md).")
     loss_weighting: Literal["token", "episode"] = Field(
         default="token",
@@ -256,6 +263,14 @@ class ClientGroupConfig(BaseModel):
     env: EnvFile | None = Field(
         default=None, description="Environment spec file under envs/ the agent runs in, e.g. agent-basic.txt."
     )
+    ratio: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of each training batch's tasks that come from this group (mixed-task training). "
+        "Set it on every group of a trainable server or on none; the shares of a server sum to 1.",
+    )
     time: SlurmTime = Field(
         default="4:00:00",
         description="Time limit per array task: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.",
@@ -342,8 +357,54 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
                         "raise the time limit or lower the delay",
                     )
                 )
+    issues += _mix_issues(topology)
     if envs_dir is not None:
         issues += _missing_envs(topology, envs_dir)
+    return issues
+
+
+def mix_of(topology: Topology, server: str) -> dict[str, float] | None:
+    """The task shares (client group -> ratio) of a server's batches; None when its groups set none."""
+    groups = [c for c in topology.clients if server in c.servers]
+    if not any(c.ratio is not None for c in groups):
+        return None
+    return {c.name: c.ratio or 0.0 for c in groups}
+
+
+def _mix_issues(topology: Topology) -> list[ConfigIssue]:
+    issues = []
+    index = {c.name: i for i, c in enumerate(topology.clients)}
+    for server in topology.servers:
+        groups = [c for c in topology.clients if server.name in c.servers]
+        shares = mix_of(topology, server.name)
+        if shares is None:
+            continue
+        unset = [c.name for c in groups if c.ratio is None]
+        for name in unset:
+            issues.append(
+                ConfigIssue(
+                    f"clients[{index[name]}].ratio",
+                    f"server {server.name!r} mixes its groups' tasks by ratio, but group {name!r} has none: "
+                    "give every group of the server a ratio, or none of them",
+                )
+            )
+        total = sum(shares.values())
+        if not unset and abs(total - 1.0) > 1e-6:
+            parts = " + ".join(f"{name} {share:g}" for name, share in shares.items())
+            issues.append(
+                ConfigIssue(
+                    f"clients[{index[groups[0].name]}].ratio",
+                    f"the ratios of server {server.name!r}'s groups sum to {total:g} ({parts}), not 1",
+                )
+            )
+        if server.trainer is not None and server.trainer.batch_policy != "tasks":
+            issues.append(
+                ConfigIssue(
+                    f"clients[{index[groups[0].name]}].ratio",
+                    f"ratios need trainer.batch_policy 'tasks' (server {server.name!r} uses "
+                    f"{server.trainer.batch_policy!r})",
+                )
+            )
     return issues
 
 

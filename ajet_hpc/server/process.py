@@ -14,6 +14,7 @@ import time
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.config.topology import mix_of
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
@@ -154,7 +155,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     )
     ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
     if config.trainer is not None:
-        ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm))
+        mix = mix_of(topology, config.name)
+        ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm, mix=mix))
     server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,

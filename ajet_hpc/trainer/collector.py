@@ -16,12 +16,17 @@ served by a policy more than ``max_staleness`` versions behind the trained one i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import statistics
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +34,7 @@ class Batch:
     groups: list[list[Episode]]
     skipped_equal: int = 0
     dropped_stale: int = 0
+    shortfall: dict[str, int] = field(default_factory=dict)  # with ratios: tasks a client group owed
 
     @property
     def episodes(self) -> list[Episode]:
@@ -36,6 +42,13 @@ class Batch:
 
     def rewards(self) -> list[float]:
         return [float(episode.reward or 0.0) for episode in self.episodes]
+
+    def tasks_per_client_group(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for group in self.groups:
+            name = group[0].group or ""
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
 
 @dataclass
@@ -45,22 +58,34 @@ class CollectorStats:
     received: int = 0
 
 
+Key = tuple[str, str]  # (client group, task id): the same task id in two groups is two tasks
+
+
 @dataclass
 class BatchCollector:
+    """``mix`` (client group -> share of a batch's tasks, summing to 1) makes every batch hold
+    ``quotas(tasks_per_batch, mix)`` tasks of each group. A group that is short of its quota while the
+    others' are complete holds the batch back for ``mix_wait_s``; then the batch trains without the
+    missing tasks (never filled with other groups' tasks) and ``Batch.shortfall`` reports them."""
+
     config: TrainerConfig
     stats: CollectorStats = field(default_factory=CollectorStats)
+    mix: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
-        self._pending: OrderedDict[str, list[Episode]] = OrderedDict()  # task id -> finished episodes
+        self._pending: OrderedDict[Key, list[Episode]] = OrderedDict()  # finished episodes per task
         self._changed = asyncio.Event()
         self._version = 0
+        self._quotas = quotas(self.config.tasks_per_batch, self.mix) if self.mix else None
+        self._short_since: float | None = None
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
     def add(self, episode: Episode) -> None:
         if episode.state != FINISHED or not episode.timelines:
             return
         self.stats.received += 1
-        self._pending.setdefault(episode.task_id or episode.episode_id, []).append(episode)
+        key = (episode.group or "", episode.task_id or episode.episode_id)
+        self._pending.setdefault(key, []).append(episode)
         self._changed.set()
 
     def set_policy_version(self, version: int) -> None:
@@ -72,17 +97,17 @@ class BatchCollector:
 
     def _drop_stale(self) -> int:
         dropped = 0
-        for task_id in list(self._pending):
-            fresh = [e for e in self._pending[task_id] if not self._is_stale(e)]
-            dropped += len(self._pending[task_id]) - len(fresh)
+        for key in list(self._pending):
+            fresh = [e for e in self._pending[key] if not self._is_stale(e)]
+            dropped += len(self._pending[key]) - len(fresh)
             if fresh:
-                self._pending[task_id] = fresh
+                self._pending[key] = fresh
             else:
-                del self._pending[task_id]
+                del self._pending[key]
         self.stats.dropped_stale += dropped
         return dropped
 
-    def try_batch(self) -> Batch | None:
+    def try_batch(self, now: float | None = None) -> Batch | None:
         """A batch if one is ready now (removing its episodes from the pending pool)."""
         dropped = self._drop_stale()
         repeats, wanted = self.config.repeats, self.config.tasks_per_batch
@@ -90,49 +115,109 @@ class BatchCollector:
             if sum(len(group) for group in self._pending.values()) < wanted * repeats:
                 return None
             groups, budget = [], wanted * repeats
-            for task_id in list(self._pending):
-                take = self._pending[task_id][:budget]
-                self._pending[task_id] = self._pending[task_id][len(take) :]
-                if not self._pending[task_id]:
-                    del self._pending[task_id]
+            for key in list(self._pending):
+                take = self._pending[key][:budget]
+                self._pending[key] = self._pending[key][len(take) :]
+                if not self._pending[key]:
+                    del self._pending[key]
                 groups.append(take)
                 budget -= len(take)
                 if not budget:
                     break
             return Batch(groups, dropped_stale=dropped)
-        groups: list[list[Episode]] = []
-        skipped = 0
-        for task_id in list(self._pending):
-            episodes = self._pending[task_id]
-            if len(episodes) < repeats:
-                continue
-            group, rest = episodes[:repeats], episodes[repeats:]
-            if rest:
-                self._pending[task_id] = rest
-            else:
-                del self._pending[task_id]
-            if self.config.skip_equal_groups and len({e.reward for e in group}) == 1:
-                skipped += 1
-                continue
-            groups.append(group)
-            if len(groups) == wanted:
-                break
+        groups, skipped = self._complete_groups(repeats)
         self.stats.skipped_equal += skipped
-        if len(groups) < wanted:  # not enough yet: put the complete groups back for the next try
+        taken = self._choose(groups, wanted, time.monotonic() if now is None else now)
+        if taken is None:  # not ready: put the complete groups back, in front, for the next try
             for group in reversed(groups):
-                task = group[0].task_id or group[0].episode_id
-                self._pending[task] = group + self._pending.get(task, [])
-                self._pending.move_to_end(task, last=False)
+                key = _key(group[0])
+                self._pending[key] = group + self._pending.get(key, [])
+                self._pending.move_to_end(key, last=False)
             return None
-        return Batch(groups, skipped_equal=skipped, dropped_stale=dropped)
+        chosen, shortfall = taken
+        chosen_ids = {id(group) for group in chosen}
+        for group in reversed([g for g in groups if id(g) not in chosen_ids]):
+            key = _key(group[0])
+            self._pending[key] = group + self._pending.get(key, [])
+            self._pending.move_to_end(key, last=False)
+        return Batch(chosen, skipped_equal=skipped, dropped_stale=dropped, shortfall=shortfall)
+
+    def _complete_groups(self, repeats: int) -> tuple[list[list[Episode]], int]:
+        """Every complete task group now pending (taken out of the pool), minus equal-reward ones."""
+        groups, skipped = [], 0
+        for key in list(self._pending):
+            episodes = self._pending[key]
+            while len(episodes) >= repeats:
+                group, episodes = episodes[:repeats], episodes[repeats:]
+                if self.config.skip_equal_groups and len({e.reward for e in group}) == 1:
+                    skipped += 1
+                else:
+                    groups.append(group)
+            if episodes:
+                self._pending[key] = episodes
+            else:
+                del self._pending[key]
+        return groups, skipped
+
+    def _choose(
+        self, groups: list[list[Episode]], wanted: int, now: float
+    ) -> tuple[list[list[Episode]], dict[str, int]] | None:
+        """The task groups of the next batch and the shortfall per client group; None: wait."""
+        if self._quotas is None:
+            return (groups[:wanted], {}) if len(groups) >= wanted else None
+        by_client: dict[str, list[list[Episode]]] = {}
+        for group in groups:
+            by_client.setdefault(group[0].group or "", []).append(group)
+        chosen = [g for name, quota in self._quotas.items() for g in by_client.get(name, [])[:quota]]
+        short = {
+            name: quota - len(by_client.get(name, [])[:quota])
+            for name, quota in self._quotas.items()
+            if len(by_client.get(name, [])) < quota
+        }
+        if not short:
+            self._short_since = None
+            return chosen, {}
+        if len(short) == len(self._quotas):  # no group has its share yet: keep collecting
+            self._short_since = None
+            return None
+        if self._short_since is None:
+            self._short_since = now
+        if now - self._short_since < self.config.mix_wait_s:
+            return None
+        self._short_since = None
+        return chosen, short
 
     async def next_batch(self) -> Batch:
         while True:
             batch = self.try_batch()
             if batch is not None:
+                if batch.shortfall:
+                    log.warning(
+                        "batch without the share of slow client groups after %.0f s: missing tasks %s",
+                        self.config.mix_wait_s,
+                        batch.shortfall,
+                    )
                 return batch
             self._changed.clear()
-            await self._changed.wait()
+            timeout = None
+            if self._short_since is not None:  # wake up when the wait for a slow group's share ends
+                timeout = max(0.1, self._short_since + self.config.mix_wait_s - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+def quotas(total: int, mix: dict[str, float]) -> dict[str, int]:
+    """``total`` tasks split by ``mix`` (largest remainders; ties by order): 10 x {a .7, b .3} -> 7, 3."""
+    exact = {name: total * share for name, share in mix.items()}
+    counts = {name: int(value) for name, value in exact.items()}
+    order = sorted(mix, key=lambda name: -(exact[name] - counts[name]))
+    for name in order[: total - sum(counts.values())]:
+        counts[name] += 1
+    return counts
+
+
+def _key(episode: Episode) -> Key:
+    return (episode.group or "", episode.task_id or episode.episode_id)
 
 
 def reward_stats(batch: Batch) -> tuple[float, float]:

@@ -33,14 +33,23 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, ctx, server: ServerConfig, model_path: Path, run_root: Path, on_slurm: bool) -> None:
+    def __init__(
+        self,
+        ctx,
+        server: ServerConfig,
+        model_path: Path,
+        run_root: Path,
+        on_slurm: bool,
+        mix: dict[str, float] | None = None,
+    ) -> None:
+        """``mix``: client group -> share of each batch's tasks (``ClientGroupConfig.ratio``), or None."""
         if server.trainer is None:
             raise ValueError(f"server {server.name} has no trainer")
         self.ctx, self.server, self.config = ctx, server, server.trainer
         self.model_path, self.on_slurm = model_path, on_slurm
         self.work_dir = run_root / "ckpt" / server.name
         self.metrics_path = run_root / "metrics.jsonl"
-        self.collector = BatchCollector(server.trainer)
+        self.collector = BatchCollector(server.trainer, mix=mix)
         self.process: subprocess.Popen | None = None
         self.channel: TrainerChannel | None = None
         self.step = 0
@@ -201,6 +210,8 @@ class Coordinator:
             "policy_version": self.step,
             "staleness": statistics.fmean(lag) if lag else 0.0,
             "skipped_equal_groups": batch.skipped_equal,
+            "client_groups": batch.tasks_per_client_group(),
+            "mix_shortfall": batch.shortfall,
             "dropped_stale": batch.dropped_stale,
             "time": time.time(),
         }

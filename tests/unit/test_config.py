@@ -28,6 +28,7 @@ from ajet_hpc.config import (
     slurm_memory_mb,
     slurm_time_minutes,
 )
+from ajet_hpc.config.topology import mix_of
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 DELETE = object()
@@ -543,3 +544,31 @@ def test_malformed_topology(tmp_path: Path, action: Callable[[Path], object], pa
     assert f"{path}: " in message
     assert path in [issue.path for issue in info.value.issues]
     assert fix in message
+
+
+def test_client_group_ratios_must_cover_a_server_and_sum_to_one() -> None:
+    second = {"name": "tools", "agent": "pkg.agents:other", "tasks": "builtin:guess", "servers": ["policy"]}
+    good = edited((("clients", 0, "ratio"), 0.7), (("clients", 1), {**second, "ratio": 0.3}))
+    topology = load_topology(good)
+    assert mix_of(topology, "policy") == {"math": 0.7, "tools": 0.3}
+
+    with pytest.raises(ConfigError) as info:
+        load_topology(edited((("clients", 0, "ratio"), 0.7), (("clients", 1), second)))
+    assert [i.path for i in info.value.issues] == ["clients[1].ratio"]
+    assert "group 'tools' has none" in str(info.value)
+
+    with pytest.raises(ConfigError) as info:
+        load_topology(edited((("clients", 0, "ratio"), 0.6), (("clients", 1), {**second, "ratio": 0.3})))
+    assert "sum to 0.9 (math 0.6 + tools 0.3), not 1" in str(info.value)
+
+    with pytest.raises(ConfigError) as info:
+        load_topology(edited((("clients", 0, "ratio"), 1.5)))
+    assert [i.path for i in info.value.issues] == ["clients[0].ratio"]
+
+
+def test_merge_settings_are_validated() -> None:
+    data = edited((("servers", 0, "trainer"), {"merge": {"mode": "tree", "level": "text"}}))
+    assert load_topology(data).servers[0].trainer.merge.mode == "tree"
+    with pytest.raises(ConfigError) as info:
+        load_topology(edited((("servers", 0, "trainer"), {"merge": {"mode": "zip"}})))
+    assert [i.path for i in info.value.issues] == ["servers[0].trainer.merge.mode"]

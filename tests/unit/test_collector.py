@@ -1,0 +1,96 @@
+"""The batch collector's task-group policy with client-group ratios (mixed-task training)."""
+
+from __future__ import annotations
+
+from ajet_hpc.config import TrainerConfig
+from ajet_hpc.engine.tiny import build_tokenizer
+from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.tracking import ContextTracker
+from ajet_hpc.trainer.collector import BatchCollector, quotas
+
+TOKENIZER = build_tokenizer()
+
+
+def finished(group: str, task: str, reward: float) -> Episode:
+    """A closed episode of one recorded call."""
+    tracker = ContextTracker(TOKENIZER)
+    plan = tracker.build_prompt([{"role": "user", "content": task}])
+    ids = TOKENIZER("ok<|im_end|>", add_special_tokens=False)["input_ids"]
+    tracker.record(plan, ids, [-0.5] * len(ids), {"role": "assistant", "content": "ok"}, "stop", 0)
+    episode = Episode(episode_id=f"{group}-{task}-{reward}", model="policy", tracker=tracker)
+    episode.task_id, episode.group, episode.state, episode.reward = task, group, FINISHED, reward
+    return episode
+
+
+def add_tasks(collector: BatchCollector, group: str, count: int, start: int = 0) -> None:
+    for k in range(start, start + count):
+        for reward in (0.0, 1.0):  # repeats=2, unequal rewards: never skipped
+            collector.add(finished(group, f"t{k}", reward))
+
+
+def config(**overrides) -> TrainerConfig:
+    return TrainerConfig(**{"tasks_per_batch": 10, "repeats": 2, "mix_wait_s": 60.0, **overrides})
+
+
+def test_quotas_split_by_largest_remainder() -> None:
+    assert quotas(10, {"math": 0.7, "tools": 0.3}) == {"math": 7, "tools": 3}
+    assert quotas(4, {"a": 0.5, "b": 0.5}) == {"a": 2, "b": 2}
+    assert quotas(3, {"a": 0.5, "b": 0.5}) == {"a": 2, "b": 1}
+    assert quotas(8, {"a": 0.7, "b": 0.3}) == {"a": 6, "b": 2}  # 5.6 / 2.4
+
+
+def test_every_batch_holds_the_ratio() -> None:
+    collector = BatchCollector(config(), mix={"math": 0.7, "tools": 0.3})
+    add_tasks(collector, "math", 12)
+    add_tasks(collector, "tools", 5)
+    batch = collector.try_batch(now=0.0)
+    assert batch is not None and batch.tasks_per_client_group() == {"math": 7, "tools": 3}
+    assert batch.shortfall == {}
+    assert collector.try_batch(now=0.0) is None  # 5 math and 2 tools left: not a batch
+    add_tasks(collector, "math", 2, start=12)
+    add_tasks(collector, "tools", 1, start=5)
+    second = collector.try_batch(now=0.0)
+    assert second is not None and second.tasks_per_client_group() == {"math": 7, "tools": 3}
+
+
+def test_a_slow_group_is_waited_for_then_reported_not_filled() -> None:
+    collector = BatchCollector(config(), mix={"math": 0.7, "tools": 0.3})
+    add_tasks(collector, "math", 9)
+    add_tasks(collector, "tools", 1)
+    assert collector.try_batch(now=100.0) is None  # math is complete, tools short: the wait starts
+    assert collector.try_batch(now=130.0) is None
+    batch = collector.try_batch(now=161.0)
+    assert batch is not None
+    assert batch.tasks_per_client_group() == {"math": 7, "tools": 1}  # not filled with math tasks
+    assert batch.shortfall == {"tools": 2}
+
+
+def test_without_any_group_at_its_share_nothing_waits() -> None:
+    collector = BatchCollector(config(), mix={"math": 0.7, "tools": 0.3})
+    add_tasks(collector, "math", 3)
+    add_tasks(collector, "tools", 1)
+    assert collector.try_batch(now=0.0) is None
+    assert collector.try_batch(now=10_000.0) is None
+
+
+def test_the_same_task_id_in_two_groups_is_two_tasks() -> None:
+    collector = BatchCollector(config(tasks_per_batch=2))
+    collector.add(finished("a", "t0", 0.0))
+    collector.add(finished("b", "t0", 1.0))
+    assert collector.try_batch() is None  # two episodes, but of two tasks, each one short
+    collector.add(finished("a", "t0", 1.0))
+    collector.add(finished("b", "t0", 0.0))
+    batch = collector.try_batch()
+    assert batch is not None
+    assert sorted(group[0].group for group in batch.groups) == ["a", "b"]
+    for group in batch.groups:
+        assert len({e.group for e in group}) == 1
+
+
+def test_without_a_mix_a_batch_is_any_complete_tasks() -> None:
+    collector = BatchCollector(config(tasks_per_batch=3))
+    add_tasks(collector, "math", 2)
+    assert collector.try_batch() is None
+    add_tasks(collector, "tools", 1)
+    batch = collector.try_batch()
+    assert batch is not None and batch.tasks_per_client_group() == {"math": 2, "tools": 1}
