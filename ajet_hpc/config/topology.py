@@ -88,6 +88,13 @@ class ClusterConfig(BaseModel):
         ge=10,
         description="Seconds before the time limit at which Slurm sends the checkpoint signal.",
     )
+    env_cache: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Folder on shared storage where client runtimes (a group's env file built into a venv "
+        "or conda environment) are built once and reused by every run; default RUN/envs. A relative path is "
+        "taken from the launch directory.",
+    )
 
 
 class MergeConfig(BaseModel):
@@ -369,6 +376,17 @@ def mix_of(topology: Topology, server: str) -> dict[str, float] | None:
     if not any(c.ratio is not None for c in groups):
         return None
     return {c.name: c.ratio or 0.0 for c in groups}
+
+
+def co_trained(topology: Topology, server: str) -> list[str]:
+    """The other trainable servers that share a client group with ``server`` (their agents use both)."""
+    names: dict[str, None] = {}
+    for client in topology.clients:
+        if server in client.servers:
+            for other in client.servers:
+                if other != server and topology.server(other).trainer is not None:
+                    names[other] = None
+    return list(names)
 
 
 def _mix_issues(topology: Topology) -> list[ConfigIssue]:

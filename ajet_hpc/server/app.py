@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.router import router
 from ajet_hpc.server.serving import Service
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +38,8 @@ class ServerContext:
     recorder: Any = None  # ajet_hpc.server.recorder.EpisodeRecorder: closed episodes to RUN/data/<model>.h5
     on_finished: Callable[[], None] | None = None  # called once training is complete
     training_done: bool = False
+    trained: bool = False  # this model's training is complete; it still serves co-trained models' episodes
+    partners_done: Callable[[], bool] | None = None  # True once every co-trained server has trained
     service: Service = field(init=False)
     episodes: EpisodeRegistry = field(init=False)
     admission: asyncio.Event = field(init=False)  # cleared while a strictly on-policy step runs
@@ -51,9 +57,12 @@ class ServerContext:
 
     @property
     def state(self) -> str:
-        """serving (no trainer), training, or finished (training complete: no new episodes)."""
+        """serving (no trainer), training, trained (done, still serving co-trained models' episodes), or
+        finished (training complete: no new episodes)."""
         if self.training_done:
             return "finished"
+        if self.trained:
+            return "trained"
         return "training" if self.coordinator is not None else "serving"
 
     def attach_recorder(self, recorder: Any) -> None:
@@ -65,6 +74,22 @@ class ServerContext:
         self.episodes.on_closed(coordinator.collector.add)
 
     def finish_training(self) -> None:
+        """Training is complete. Alone, the server finishes (clients stop). When client groups also use
+        other trainable servers ("partners"), it first keeps serving ("trained") until every partner has
+        trained too, so that their agents, which need this model, can still run."""
+        if self.partners_done is None or self.partners_done():
+            self._finish()
+            return
+        self.trained = True
+        log.info("training of %s is complete; serving until the other trained models are done", self.name)
+        threading.Thread(target=self._wait_for_partners, name="wait-for-partners", daemon=True).start()
+
+    def _wait_for_partners(self, poll_s: float = 2.0) -> None:
+        while not (self.partners_done is None or self.partners_done()):
+            time.sleep(poll_s)
+        self._finish()
+
+    def _finish(self) -> None:
         self.training_done = True
         if self.on_finished is not None:
             self.on_finished()

@@ -14,7 +14,7 @@ import time
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
-from ajet_hpc.config.topology import mix_of
+from ajet_hpc.config.topology import co_trained, mix_of
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
@@ -168,6 +168,13 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         node=job.node,
         started_at=ctx.started_at,
     )
+    partners = co_trained(topology, config.name)
+    if partners:
+        ctx.partners_done = lambda: all(
+            (found := rendezvous.read(run.rendezvous_file(name))) is not None
+            and found.state in ("trained", "finished")
+            for name in partners
+        )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
     ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
     heartbeat.start()

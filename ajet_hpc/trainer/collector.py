@@ -78,10 +78,11 @@ class BatchCollector:
         self._version = 0
         self._quotas = quotas(self.config.tasks_per_batch, self.mix) if self.mix else None
         self._short_since: float | None = None
+        self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
     def add(self, episode: Episode) -> None:
-        if episode.state != FINISHED or not episode.timelines:
+        if self.closed or episode.state != FINISHED or not episode.timelines:
             return
         self.stats.received += 1
         key = (episode.group or "", episode.task_id or episode.episode_id)

@@ -101,6 +101,7 @@ class Coordinator:
             await self._train_step(channel, batch)
             bar.update(1)
         bar.close()
+        self.collector.closed = True
         channel.request_stop()
         log.info("training of %s finished at step %d", self.server.name, self.step)
         self.ctx.finish_training()

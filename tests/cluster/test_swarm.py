@@ -1,0 +1,124 @@
+"""Swarm features on the dev Slurm cluster: two trainable models in one episode, mixed tasks by ratio."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support import REPO, run_module, wait_until
+
+from ajet_hpc.launch import slurmcli
+from ajet_hpc.storage.client_store import read_results
+from ajet_hpc.storage.episode_store import EpisodeReader
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
+
+
+def launch(config: str, run: Path, *overrides: str) -> dict[str, str]:
+    done = run_module(
+        "ajet_hpc.launch",
+        str(REPO / "configs" / config),
+        f"run.dir={run}",
+        "cluster.backend=slurm",
+        *overrides,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    return {entry["name"]: entry["job_id"] for entry in json.loads((run / "jobs.json").read_text())}
+
+
+def wait_for_the_end(jobs: dict[str, str], timeout_s: float) -> None:
+    def over() -> bool:
+        return all(
+            s.state not in slurmcli.ACTIVE_STATES for job in jobs.values() for s in slurmcli.job_states([job])
+        )
+
+    wait_until(over, timeout_s, "every job of the run to end", poll_s=2)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_two_models_train_apart_on_shared_episodes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    steps = 3
+    jobs = launch(
+        "two_models.yaml",
+        run,
+        f"servers.proposer.trainer.total_steps={steps}",
+        f"servers.solver.trainer.total_steps={steps}",
+        "servers.proposer.trainer.tasks_per_batch=4",
+        "servers.solver.trainer.tasks_per_batch=4",
+    )
+    try:
+        assert set(jobs) == {"server-proposer", "server-solver", "clients-pairs"}
+
+        def both_published() -> str | None:
+            out = run_module("ajet_hpc.status", str(run)).stdout
+            serving = [line for line in out.splitlines() if " training " in line and "policy v" in line]
+            return out if len(serving) == 2 else None
+
+        status = wait_until(
+            both_published, 300, "both servers to train (python -m ajet_hpc.status)", poll_s=3
+        )
+        assert "server-proposer" in status and "server-solver" in status
+        wait_for_the_end(jobs, 900)
+    finally:
+        subprocess.run(["scancel", *jobs.values()], check=False, capture_output=True)
+
+    metrics = rows(run)
+    for model in ("proposer", "solver"):
+        mine = [row for row in metrics if row["model"] == model]
+        assert [row["step"] for row in mine] == list(range(1, steps + 1)), model
+        assert [row["policy_version"] for row in mine] == list(range(1, steps + 1)), model
+        assert (run / "ckpt" / model / "ds" / "trainer_state.json").is_file()
+        assert (run / "data" / f"{model}.h5").is_file()
+
+    results = [
+        r for path in sorted((run / "data" / "clients" / "pairs").glob("*.h5")) for r in read_results(path)
+    ]
+    assert results
+    readers = {model: EpisodeReader(run / "data" / f"{model}.h5") for model in ("proposer", "solver")}
+    try:
+        checked = 0
+        for result in results:
+            assert set(result.episode_ids) == {"proposer", "solver"}
+            for model, reader in readers.items():
+                record = reader.episode(result.episode_ids[model])
+                assert record.model == model and record.task_id == result.task_id
+                assert record.reward == pytest.approx(result.rewards[model])
+                assert len(record.timelines) == 1  # one call of this model per episode
+            checked += 1
+        differing = [r for r in results if r.rewards["proposer"] != r.rewards["solver"]]
+        assert differing, "every episode rewarded both models alike: the per-model rewards are not exercised"
+    finally:
+        for reader in readers.values():
+            reader.close()
+    assert checked == len(results)
+
+
+def test_mixed_tasks_hold_the_ratio_in_every_batch(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    steps = 10
+    jobs = launch(
+        "mixed_tasks.yaml",
+        run,
+        f"servers.policy.trainer.total_steps={steps}",
+        "servers.policy.trainer.repeats=2",
+        "servers.policy.trainer.skip_equal_groups=false",
+        "servers.policy.trainer.save_every=100",
+    )
+    try:
+        wait_for_the_end(jobs, 900)
+    finally:
+        subprocess.run(["scancel", *jobs.values()], check=False, capture_output=True)
+    metrics = rows(run)
+    assert [row["step"] for row in metrics] == list(range(1, steps + 1))
+    for row in metrics:
+        groups, short = row["client_groups"], row["mix_shortfall"]
+        assert sum(groups.values()) + sum(short.values()) == 10
+        assert abs(groups.get("math", 0) - 7) <= 1 and abs(groups.get("tools", 0) - 3) <= 1, row
+    # the multi-turn tasks merged (keep_history): fewer samples than calls
+    assert sum(row["samples"] for row in metrics) < sum(row["samples_before_merge"] for row in metrics)
