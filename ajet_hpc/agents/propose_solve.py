@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.tasks.arithmetic import reward as answer_reward
-from ajet_hpc.tasks.propose_solve import parse_proposal
+from ajet_hpc.tasks.propose_solve import parse_proposal, proposal_form
 
 
 def solve(ctx: EpisodeContext) -> Outcome:
@@ -30,7 +30,7 @@ def solve(ctx: EpisodeContext) -> Outcome:
         temperature=1.0,
     )
     solver_reward = answer_reward(answer.choices[0].message.content or "", str((a + b) % 10))
-    proposer_reward = 0.0 if digits is None else 0.5 + 0.5 * (solver_reward == 1.0)
+    proposer_reward = proposal_form(text) + (0.25 if digits is not None and solver_reward == 1.0 else 0.0)
     return Outcome(
         reward=solver_reward,
         rewards={"proposer": proposer_reward, "solver": solver_reward},
