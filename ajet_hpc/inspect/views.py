@@ -148,16 +148,12 @@ def step_rows(model: ModelRun) -> list[dict[str, Any]]:
 
 def merge_ratio(model: ModelRun, summaries: list[dict[str, Any]]) -> tuple[float, str] | None:
     """Training samples per timeline (1.0 until timelines are merged), with where the numbers came from."""
-    rows = model.metrics
-    merged_key = next((k for row in rows for k in row if "merge" in k and row.get(k) is not None), None)
-    if merged_key is not None:
-        present = {key for row in rows for key in row}
-        candidates = ("timelines", "samples_before_merge", "samples")
-        before_key = next((k for k in candidates if k in present and k != merged_key), "")
-        after = sum(row.get(merged_key) or 0 for row in rows)
-        before = sum(row.get(before_key) or 0 for row in rows)
+    rows = [row for row in model.metrics if row.get("samples_before_merge") is not None]
+    if rows:  # the trainer's own counts (docs/merging.md)
+        after = sum(row.get("samples") or 0 for row in rows)
+        before = sum(row["samples_before_merge"] for row in rows)
         if before:
-            return after / before, f"{merged_key} {after} / {before_key} {before}, metrics.jsonl"
+            return after / before, f"samples {after} / samples_before_merge {before}, metrics.jsonl"
     calls = {s["episode_id"]: int(s.get("calls") or 0) for s in summaries}
     samples = timelines = 0
     for entry in model.steps():

@@ -244,14 +244,14 @@ def test_summary_reports_steps_episodes_tasks_drift_and_failures(run_dir: Path, 
 def test_summary_of_metrics_only_reads_the_merge_ratio_from_them(tmp_path: Path, capsys) -> None:
     run = tmp_path / "metrics-only"
     write_topology(run)
-    rows = [{**metrics_row(step, 0.5), "timelines": 8, "samples_after_merge": 6} for step in (1, 2, 3)]
+    rows = [{**metrics_row(step, 0.5), "samples_before_merge": 8, "samples": 6} for step in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     code, out, err = inspect(capsys, run, "summary")
     assert code == 0, err
     assert "model policy  [no store yet (policy.h5)]" in out
     assert "steps      3 (last 3, policy version 3)" in out and "episodes   0" in out
     assert (
-        "merge      0.75 samples per timeline (samples_after_merge 18 / timelines 24, metrics.jsonl)" in out
+        "merge      0.75 samples per timeline (samples 18 / samples_before_merge 24, metrics.jsonl)" in out
     )
     code, _, err = inspect(capsys, run, "plot", "-o", tmp_path / "metrics.png")
     assert code == 0 and (tmp_path / "metrics.png").stat().st_size > 0, err
