@@ -84,7 +84,7 @@ def reward_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     lines = ["", "model       step  reward_mean  reward_std", "-" * 60]
-    for row in rows:
+    for row in sorted(rows, key=lambda r: (str(r.get("model", "")), r["step"])):  # one block per model
         mean = row.get("reward_mean") or 0.0
         bar = "#" * round(max(0.0, min(1.0, mean)) * 30)
         lines.append(
