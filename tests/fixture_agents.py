@@ -15,3 +15,21 @@ def slow_arithmetic(ctx: EpisodeContext) -> Outcome:
     return Outcome(
         reward=reward, transcript={"task": ctx.task.id, "repeat": ctx.repeat}, metadata={"slow": True}
     )
+
+
+def probe_version(ctx: EpisodeContext) -> Outcome:
+    """The built-in arithmetic agent, reporting which ``ajet_dep_probe`` its runtime gave it (tests of
+    client runtimes: each group's env file pins its own version)."""
+    import sys
+    from importlib import metadata
+
+    import ajet_dep_probe  # installed only in the group's runtime, never in the server's environment
+
+    return Outcome(
+        reward=arithmetic.solve(ctx),
+        metadata={
+            "probe_version": ajet_dep_probe.__version__,
+            "probe_metadata_version": metadata.version("ajet_dep_probe"),
+            "python_prefix": sys.prefix,
+        },
+    )

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from ajet_hpc.config import ConfigError, Topology, check_partitions, load_topology
-from ajet_hpc.launch import registry, slurmcli
+from ajet_hpc.launch import registry, runtimes, slurmcli
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import task_states
 from ajet_hpc.launch.plan import Planned, build_plan
@@ -103,21 +105,30 @@ def launch(args: argparse.Namespace) -> int:
     if backend_name == "slurm" and slurmcli.available():
         check_partitions(topology, slurmcli.partitions())
     backend: Backend = get_backend(backend_name)
-    plan = build_plan(topology, hetjob=topology.cluster.hetjob and backend_name == "slurm")
+    client_runtimes = runtimes.plan_runtimes(topology, run, envs_dir=Path.cwd() / "envs")  # builds nothing
+    pythons = runtimes.pythons(client_runtimes)
+    plan = build_plan(topology, hetjob=topology.cluster.hetjob and backend_name == "slurm", pythons=pythons)
     scripts = [(job, backend.render(job, run, topology.cluster)) for job in plan]  # fails before writing
 
     if args.dry_run:
         for job, text in scripts:
             print(f"### {job.name} ({backend_name}) ###")
             print(text)
+        for line in runtimes.describe(client_runtimes):
+            print(line)
         print(f"dry run: {len(plan)} job(s) for run directory {run.root}; nothing submitted or written")
         return 0
 
     state = run.prepare(topology, force=args.force)
     print(f"run directory: {run.root} ({state})")
+    try:
+        runtimes.ensure_all(client_runtimes)  # once, here on the login node, before any job starts
+    except runtimes.RuntimeBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.no_submit:
         print("submit by hand with the scripts in sbatch/:")
-        for line in hand_commands(topology, run):
+        for line in hand_commands(topology, run, pythons):
             print(f"  {line}")
         return 0
     submitted = []
@@ -140,8 +151,11 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def hand_commands(topology: Topology, run: RunDir) -> list[str]:
-    """The sbatch command lines that start this run's jobs with the hand-written sbatch/ scripts."""
+def hand_commands(topology: Topology, run: RunDir, pythons: Mapping[str, str] | None = None) -> list[str]:
+    """The sbatch command lines that start this run's jobs with the hand-written sbatch/ scripts.
+
+    ``pythons`` maps a client group to its runtime's python, which reaches the script as ``AJET_PYTHON``.
+    """
     logs = run.logs_dir
     lines = []
     for server in topology.servers:
@@ -152,8 +166,10 @@ def hand_commands(topology: Topology, run: RunDir) -> list[str]:
             f"sbatch/server.sbatch {run.root} {server.name}"
         )
     for group in topology.clients:
+        python = (pythons or {}).get(group.name)
+        export = f"--export={shlex.quote(f'ALL,AJET_PYTHON={python}')} " if python else ""
         lines.append(
-            f"sbatch -p {group.partition} --array=0-{group.array - 1} --cpus-per-task={group.cpus} "
+            f"sbatch {export}-p {group.partition} --array=0-{group.array - 1} --cpus-per-task={group.cpus} "
             f"--mem={group.mem} --time={group.time} --output={logs}/%x-%A_%a.out "
             f"sbatch/clients.sbatch {run.root} {group.name}"
         )

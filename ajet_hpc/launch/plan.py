@@ -2,12 +2,14 @@
 
 A server becomes one job; a client group becomes one job array. With ``cluster.hetjob`` a server and the
 client groups that use only that server become one heterogeneous job, one component each, the client
-tasks as the ``ntasks`` of their component.
+tasks as the ``ntasks`` of their component. A client group with its own runtime (``env:``) carries that
+runtime's python, which every backend starts its tasks with.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +35,18 @@ class JobSpec:
     target: str  # server name or client group name
     resources: Resources
     array: int | None = None
+    python: str | None = None  # the interpreter of the group's own runtime; None: the launcher's
 
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.target}"
 
     def command(self, run_dir: Path, python: str = sys.executable) -> list[str]:
-        """The entrypoint that runs this job (the sbatch/ scripts and hetjobs call it directly)."""
+        """The entrypoint that runs this job (the sbatch/ scripts and hetjobs call it directly).
+
+        ``python`` is the interpreter for a job that has none of its own (``self.python``).
+        """
+        python = self.python or python
         if self.kind == "server":
             return [python, "-u", "-m", "ajet_hpc.server", str(run_dir), "--name", self.target]
         return [python, "-u", "-m", "ajet_hpc.client", str(run_dir), "--group", self.target]
@@ -75,11 +82,12 @@ def server_job(server: ServerConfig) -> JobSpec:
     )
 
 
-def client_job(group: ClientGroupConfig) -> JobSpec:
+def client_job(group: ClientGroupConfig, python: str | None = None) -> JobSpec:
     return JobSpec(
         kind="clients",
         target=group.name,
         array=group.array,
+        python=python,
         resources=Resources(
             partition=group.partition,
             nodes=1,
@@ -92,14 +100,21 @@ def client_job(group: ClientGroupConfig) -> JobSpec:
     )
 
 
-def build_plan(topology: Topology, hetjob: bool | None = None, only: set[str] | None = None) -> list[Planned]:
+def build_plan(
+    topology: Topology,
+    hetjob: bool | None = None,
+    only: set[str] | None = None,
+    pythons: Mapping[str, str] | None = None,
+) -> list[Planned]:
     """Every job of a topology, servers first.
 
     ``hetjob`` overrides ``cluster.hetjob`` (the local backend has no heterogeneous jobs); ``only`` keeps
-    the jobs whose names it holds (``server-x``, ``clients-y``).
+    the jobs whose names it holds (``server-x``, ``clients-y``); ``pythons`` maps a client group to the
+    python of its runtime (``launch/runtimes.py``).
     """
+    pythons = pythons or {}
     servers = [server_job(server) for server in topology.servers]
-    clients = {group.name: client_job(group) for group in topology.clients}
+    clients = {group.name: client_job(group, pythons.get(group.name)) for group in topology.clients}
     plan: list[Planned] = []
     if topology.cluster.hetjob if hetjob is None else hetjob:
         for server in servers:
@@ -130,4 +145,4 @@ def _as_component(job: JobSpec) -> JobSpec:
         mem=res.mem,
         time_min=res.time_min,
     )
-    return JobSpec(kind=job.kind, target=job.target, resources=as_tasks, array=None)
+    return JobSpec(kind=job.kind, target=job.target, resources=as_tasks, array=None, python=job.python)

@@ -122,7 +122,15 @@ class Rank:
                     "weights_dir": None if weights is None else str(weights),
                 },
             )
-        log.info("ready after %.1f s at step %d", time.monotonic() - started, self.step)
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        log.info(
+            "rank %d of %d on node %s: ready after %.1f s at step %d",
+            self.env.rank,
+            self.env.world_size,
+            node,
+            time.monotonic() - started,
+            self.step,
+        )
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -42,7 +42,8 @@ class LocalBackend:
     def submit(self, job: Planned, run: RunDir, cluster: ClusterConfig) -> SubmittedJob:
         job = _single(job)
         folder = run.job_log_dir(job.name)
-        executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(self.python), max_num_timeout=100)
+        python = shlex.quote(job.python or self.python)  # a client group with its own runtime runs in it
+        executor = submitit.LocalExecutor(folder=folder, python=python, max_num_timeout=100)
         executor.update_parameters(
             timeout_min=job.resources.time_min,
             gpus_per_node=job.resources.gpus_per_node,

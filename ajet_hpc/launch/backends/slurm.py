@@ -64,9 +64,8 @@ class SlurmBackend:
         if isinstance(job, HetJobSpec):
             return self.hetjobs.render(job, run, cluster)
         folder = run.job_log_dir(job.name)
-        command = " ".join(
-            [shlex.quote(self.python), "-u -m submitit.core._submit", shlex.quote(str(folder))]
-        )
+        python = job.python or self.python  # a client group with its own runtime runs in it
+        command = " ".join([shlex.quote(python), "-u -m submitit.core._submit", shlex.quote(str(folder))])
         map_count = job.array if job.array and job.array > 1 else None
         try:
             return _make_sbatch_string(
@@ -79,7 +78,8 @@ class SlurmBackend:
         if isinstance(job, HetJobSpec):
             return self.hetjobs.submit(job, run, cluster)
         folder = run.job_log_dir(job.name)
-        executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(self.python), max_num_timeout=100)
+        python = shlex.quote(job.python or self.python)
+        executor = submitit.SlurmExecutor(folder=folder, python=python, max_num_timeout=100)
         executor.update_parameters(**slurm_parameters(job, run, cluster))
         try:
             if job.kind == "server":
