@@ -33,3 +33,8 @@ def probe_version(ctx: EpisodeContext) -> Outcome:
             "python_prefix": sys.prefix,
         },
     )
+
+
+def arithmetic_swapped(ctx: EpisodeContext) -> float:
+    """The built-in arithmetic agent under another name: a hot-swap test tells its episodes apart."""
+    return arithmetic.solve(ctx)

@@ -4,6 +4,10 @@ Each episode: begin (one episode per server the group uses) → the agent, given
 → end with the reward (abort with the traceback when the agent raises). Up to ``in_flight`` episodes run
 at once, in threads (agents are plain blocking functions). When a server goes away mid-episode, the task
 waits for the server's rendezvous (it may come back on another node) and runs the episode again.
+
+A (task, repeat) committed in any store of the group (every index, also those of an earlier array size)
+is not run again. On SIGTERM (a cancel, or a hot swap of the group) the task begins no new episode, aborts
+its open ones with a reason, closes its store and exits.
 """
 
 from __future__ import annotations
@@ -11,20 +15,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, wait_for_server
-from ajet_hpc.client.session import EpisodeAPI, EpisodeRejected, ServerAway, TrainingFinished
+from ajet_hpc.client.session import (
+    ClientStopping,
+    EpisodeAPI,
+    EpisodeRejected,
+    ServerAway,
+    TrainingFinished,
+)
 from ajet_hpc.client.tasks import import_entry, open_source, shard
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.storage.client_store import ClientStore, Result
+from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, read_results
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -73,6 +86,8 @@ class GroupTask:
         self.apis: dict[str, EpisodeAPI] = {}
         self.apis_lock = threading.Lock()
         self.finished = threading.Event()  # a server's training is complete: start no new episode
+        self.started = threading.Event()  # episodes have begun to run (set before the first one)
+        self.stopping = threading.Event()  # SIGTERM: drain and leave
         self.tally = Tally()
         store_path = run.data_dir / "clients" / group.name / f"{index}.h5"
         store_path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,9 +126,18 @@ class GroupTask:
         source = open_source(self.group.tasks, base_dir=self.rundir.root.parent)
         tasks = shard(source, self.index, self.group.array, self.group.max_tasks)
         done = self.store.committed()
-        if done:
-            log.info("resuming: %d results already committed in %s", len(done), self.store.path)
+        elsewhere = committed_in_group(self.rundir, self.group.name, mine=self.store.path) - done
+        if done or elsewhere:
+            log.info(
+                "resuming: %d results already committed in %s, %d by other tasks of group %s",
+                len(done),
+                self.store.path,
+                len(elsewhere),
+                self.group.name,
+            )
+        done |= elsewhere
         slots = threading.BoundedSemaphore(self.group.in_flight)
+        self.started.set()
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
             for task in tasks:
                 for repeat in range(self.repeats):
@@ -143,7 +167,7 @@ class GroupTask:
                 )
                 if rejected >= 3:
                     return
-            except (TrainingFinished, ServerFinished) as exc:
+            except (TrainingFinished, ServerFinished, ClientStopping) as exc:
                 log.info("stopping: %s", exc)
                 self.finished.set()
             except ServerAway as exc:
@@ -157,7 +181,7 @@ class GroupTask:
                 return
 
     def _attempt(self, task: Task, repeat: int) -> None:
-        meta = {"repeat": repeat, "client": self.index}
+        meta = {"repeat": repeat, "client": self.index, "agent": self.group.agent}
         begun = {
             name: self.connect(name).begin(task.id, self.group.name, meta) for name in self.group.servers
         }
@@ -197,6 +221,12 @@ class GroupTask:
             self.tally.finished += 1
             self.tally.rewards.append(outcome.reward)
 
+    def stop(self, reason: str) -> None:
+        """Begin no new episode and abort the open ones, so that the servers need not time them out."""
+        self.finished.set()
+        aborted = sum(api.drain(reason) for api in list(self.apis.values()))
+        log.info("stopping: %s; %d open episode(s) aborted", reason, aborted)
+
     def _abort_quietly(self, server: str, episode_id: str, reason: str) -> None:
         try:
             self.connect(server).abort(episode_id, reason)
@@ -219,6 +249,39 @@ def _is_connection_error(exc: BaseException) -> bool:
     return False
 
 
+def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, int]]:
+    """The (task, repeat) pairs committed in the group's stores other than ``mine``: every index, also the
+    indices of an earlier, larger array, whose sharding differed (a hot swap can change the size)."""
+    folder = run.data_dir / "clients" / group
+    paths = {Path(str(p).removesuffix(".journal")) for p in folder.glob("*.h5*")} - {mine}
+    found: set[tuple[str, int]] = set()
+    for path in sorted(paths):
+        try:
+            found.update(result.key for result in read_results(path))
+        except (StoreCorrupt, OSError) as exc:
+            log.warning("cannot read %s (%s): the results committed there may run again", path, exc)
+    return found
+
+
+def _stop_on_sigterm(worker: GroupTask) -> Callable[[], None]:
+    """SIGTERM drains the worker (in a thread: the handler must not block); before the first episode it
+    leaves at once. Returns what puts the previous handler back. (submitit's own handler ignores SIGTERM.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handle(signum: int, frame: object) -> None:
+        reason = f"client task {worker.group.name}[{worker.index}] stopped by {signal.Signals(signum).name}"
+        if worker.stopping.is_set():
+            return
+        worker.stopping.set()
+        if not worker.started.is_set():
+            raise ClientStopping(reason)
+        threading.Thread(target=worker.stop, args=(reason,), name="drain", daemon=True).start()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:
     setup_logging()
     run = RunDir.at(run_dir)
@@ -232,9 +295,14 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
         "client %s[%d] (job %s, pid %d) on node %s", group.name, index, job.job_id, os.getpid(), job.node
     )
     worker = GroupTask(run, group, index, episode_repeats(topology, group))
+    restore_handler = _stop_on_sigterm(worker)
     try:
         tally = worker.run()
+    except ClientStopping as exc:
+        log.info("stopping before any episode: %s", exc)
+        tally = worker.tally
     finally:
+        restore_handler()
         worker.store.close()
     mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
     log.info(

@@ -1,7 +1,14 @@
-"""The episode API as a client runner uses it (holder of the run secret): begin, end, abort."""
+"""The episode API as a client runner uses it (holder of the run secret): begin, end, abort.
+
+It keeps the ids of the episodes it began and has not yet ended or aborted, so that a client task that is
+being stopped (SIGTERM: a cancel, or a hot swap of its group) can ``drain``: begin nothing more and abort
+what is open, instead of leaving the server to wait ``episode_timeout_s`` for them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import httpx
@@ -19,12 +26,19 @@ class EpisodeRejected(RuntimeError):
     """The server refused an end or abort (e.g. the episode was dropped after a timeout), saying why."""
 
 
+class ClientStopping(RuntimeError):
+    """This client task is being stopped: it begins no new episode."""
+
+
 class EpisodeAPI:
     def __init__(self, url: str, secret: str, timeout_s: float = 600.0) -> None:
         self.url = url
         self._http = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {secret}"}, timeout=timeout_s
         )
+        self._open: set[str] = set()
+        self._lock = threading.Lock()
+        self._stopping: str | None = None  # the reason, once drain() was called
 
     def close(self) -> None:
         self._http.close()
@@ -44,11 +58,46 @@ class EpisodeAPI:
         return reply.json()
 
     def begin(self, task_id: str, group: str, metadata: dict[str, Any]) -> dict[str, Any]:
-        return self._post("/v1/episodes", {"task_id": task_id, "group": group, "metadata": metadata})
+        if self._stopping is not None:
+            raise ClientStopping(self._stopping)
+        reply = self._post("/v1/episodes", {"task_id": task_id, "group": group, "metadata": metadata})
+        with self._lock:
+            stopping = self._stopping
+            if stopping is None:
+                self._open.add(reply["episode_id"])
+        if stopping is not None:  # drained while this begin was on its way: do not leave it open
+            with contextlib.suppress(ServerAway, EpisodeRejected):
+                self.abort(reply["episode_id"], stopping)
+            raise ClientStopping(stopping)
+        return reply
 
     def end(self, episode_id: str, reward: float, turn_rewards: list[float] | None, metadata: dict) -> None:
         body = {"reward": reward, "turn_rewards": turn_rewards, "metadata": metadata}
-        self._post(f"/v1/episodes/{episode_id}/end", body)
+        try:
+            self._post(f"/v1/episodes/{episode_id}/end", body)
+        finally:
+            self._forget(episode_id)
 
     def abort(self, episode_id: str, reason: str) -> None:
-        self._post(f"/v1/episodes/{episode_id}/abort", {"reason": reason[-2000:]})
+        try:
+            self._post(f"/v1/episodes/{episode_id}/abort", {"reason": reason[-2000:]})
+        finally:
+            self._forget(episode_id)
+
+    def _forget(self, episode_id: str) -> None:
+        with self._lock:
+            self._open.discard(episode_id)
+
+    def drain(self, reason: str) -> int:
+        """Begin no new episode and abort every open one with ``reason``; returns how many were aborted."""
+        with self._lock:
+            self._stopping = reason
+            still_open = sorted(self._open)
+        aborted = 0
+        for episode_id in still_open:
+            try:
+                self.abort(episode_id, reason)
+                aborted += 1
+            except (ServerAway, EpisodeRejected):  # already closed (ended meanwhile), or the server is gone
+                continue
+        return aborted

@@ -2,6 +2,9 @@
 
 CONFIG is a topology YAML file, or an existing run directory (launching again resumes that run: jobs that
 are still queued or running are left alone, the others are submitted again).
+
+On a running run directory, --swap-clients GROUP [--agent M:F] [--array N] replaces a client group's array
+while the servers keep training, and --add-clients GROUP.yaml adds a group (see launch/swap.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ajet_hpc.config import ConfigError, Topology, check_partitions, load_topology
-from ajet_hpc.launch import registry, runtimes, slurmcli
+from ajet_hpc.launch import registry, runtimes, slurmcli, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import task_states
 from ajet_hpc.launch.plan import Planned, build_plan
@@ -61,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="local backend: return once the jobs started instead of supervising them",
     )
+    hot = parser.add_argument_group("hot swap (CONFIG is a running run directory; the servers keep training)")
+    hot.add_argument(
+        "--swap-clients",
+        metavar="GROUP",
+        help="cancel GROUP's array, let its open episodes end, and submit it again with --agent / --array "
+        "(or the agent's new code); recorded in RUN/swaps.jsonl",
+    )
+    hot.add_argument(
+        "--add-clients",
+        metavar="GROUP.yaml",
+        help="add the client group in this file (one block of the topology's clients list) to the run",
+    )
+    hot.add_argument("--agent", metavar="MODULE:FUNCTION", help="the group's new agent")
+    hot.add_argument("--array", type=int, metavar="N", help="the group's new number of array tasks")
     return parser
 
 
@@ -187,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
     try:
+        if swap.requested(args):
+            return swap.main(args)
         return launch(args)
     except ConfigError as exc:
         print(f"error: invalid topology ({args.config}):\n{exc}", file=sys.stderr)
-    except (RunDirError, BackendError, slurmcli.SlurmError) as exc:
+    except (RunDirError, BackendError, slurmcli.SlurmError, swap.SwapError) as exc:
         print(f"error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT

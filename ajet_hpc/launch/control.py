@@ -15,6 +15,7 @@ from ajet_hpc.launch import registry, slurmcli
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer.metrics import read_rows
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,32 @@ def status_report(run: RunDir) -> str:
             lines.append(f"  {job.name:<22} {state.task_id:<14} {state.state:<12} {where:<12} {shown_log}")
     lines.append("servers:")
     lines.extend(describe_servers(run))
+    swaps = describe_swaps(run)
+    if swaps:
+        lines.append(f"client groups changed while running ({run.swaps_file.name}):")
+        lines.extend(swaps)
     return "\n".join(lines)
+
+
+def describe_swaps(run: RunDir) -> list[str]:
+    """One line per hot swap or added group: what changed, when, and where the servers were."""
+    lines = []
+    for row in read_rows(run.swaps_file):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.get("time", 0)))
+        old, new = row.get("old") or {}, row.get("new") or {}
+        change = f"agent {new.get('agent')}, array {new.get('array')}"
+        if old:
+            change = (
+                f"agent {old.get('agent')} -> {new.get('agent')}, "
+                f"array {old.get('array')} -> {new.get('array')}"
+            )
+        at = ", ".join(
+            f"{name} step {p.get('step')}" for name, p in (row.get("servers_at_swap") or {}).items()
+        )
+        lines.append(
+            f"  {when} {row.get('action')} {row.get('group')}: {change} (job {new.get('job_id')}; {at})"
+        )
+    return lines
 
 
 def log_files(run: RunDir, job: SubmittedJob, task_id: str | None = None) -> list[Path]:
@@ -146,20 +172,40 @@ def follow(paths: list[Path], out: TextIO, poll_s: float = 0.5) -> Iterator[None
 
 def cancel_run(run: RunDir) -> list[str]:
     """Stop every active job of the run; returns a line per job saying what was done."""
-    report = []
-    for job in registry.latest(run).values():
+    return [cancel_job(job) for job in registry.latest(run).values()]
+
+
+def cancel_job(job: SubmittedJob) -> str:
+    """Stop one job's active tasks (scancel, or SIGTERM to local controllers, which pass it on to their
+    task); returns a line saying what was done."""
+    active = [s for s in task_states(job) if s.active]
+    if not active:
+        return f"{job.name}: nothing to cancel (already finished)"
+    if job.backend == "local":
+        for state in active:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(state.task_id), signal.SIGTERM)
+        return f"{job.name}: sent SIGTERM to local process(es) {', '.join(s.task_id for s in active)}"
+    slurmcli.cancel([job.job_id])
+    return f"{job.name}: scancel {job.job_id}"
+
+
+def wait_stopped(job: SubmittedJob, timeout_s: float, poll_s: float = 1.0) -> list[TaskState]:
+    """Wait until no task of ``job`` is active (Slurm: not even COMPLETING); the tasks still active after
+    ``timeout_s`` (empty when all are gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         active = [s for s in task_states(job) if s.active]
-        if not active:
-            report.append(f"{job.name}: nothing to cancel (already finished)")
-            continue
-        if job.backend == "local":
-            for state in active:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(state.task_id), signal.SIGTERM)
-            report.append(
-                f"{job.name}: sent SIGTERM to local process(es) {', '.join(s.task_id for s in active)}"
-            )
-        else:
-            slurmcli.cancel([job.job_id])
-            report.append(f"{job.name}: scancel {job.job_id}")
-    return report
+        if not active or time.monotonic() > deadline:
+            return active
+        time.sleep(poll_s)
+
+
+def kill_local(job: SubmittedJob) -> None:
+    """SIGKILL a local job's controllers and everything under them (a task that ignored SIGTERM)."""
+    from ajet_hpc.launch.supervise import kill_tree
+
+    if job.backend != "local":
+        raise ValueError(f"{job.name} is a {job.backend} job; only local jobs are killed by pid")
+    for task in job.tasks:
+        kill_tree(int(task))

@@ -2,7 +2,9 @@
 
 Layout (see docs/architecture.md)::
 
-    RUN/topology.yaml        resolved topology, frozen at first launch
+    RUN/topology.yaml        resolved topology, frozen at first launch (changed only by --force and by
+                             hot swaps of client groups, the earlier one kept as topology.<time>.yaml)
+    RUN/swaps.jsonl          one row per hot swap or added client group
     RUN/secret               mode 0600, the key of every token of this run
     RUN/jobs.json            jobs submitted for this run (backend, ids, log folders)
     RUN/servers/<name>.json  rendezvous of each server (written by rename)
@@ -62,6 +64,10 @@ class RunDir:
         return self.root / "jobs.json"
 
     @property
+    def swaps_file(self) -> Path:
+        return self.root / "swaps.jsonl"
+
+    @property
     def servers_dir(self) -> Path:
         return self.root / "servers"
 
@@ -110,14 +116,19 @@ class RunDir:
                         tofile="this launch",
                     )
                 )
+                swapped = (
+                    f"Its client groups were changed while it ran (see {self.swaps_file.name}): resume it "
+                    f"with 'python -m ajet_hpc.launch {self.root}'.\n"
+                    if self.swaps_file.exists()
+                    else ""
+                )
                 raise RunDirError(
-                    f"{self.root} already holds a run with a different topology:\n{diff}"
+                    f"{self.root} already holds a run with a different topology:\n{diff}{swapped}"
                     "Launch with --force to replace it (the old one is kept as topology.<time>.yaml), "
                     "or choose another run.dir."
                 )
             else:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                self.topology_file.rename(self.root / f"topology.{stamp}.yaml")
+                self.topology_file.rename(self._history_name())
                 state = "replaced"
         for folder in (self.root, self.servers_dir, self.logs_dir, self.data_dir, self.ckpt_dir):
             folder.mkdir(parents=True, exist_ok=True)
@@ -125,6 +136,23 @@ class RunDir:
         if state != "resumed":
             write_bytes_atomic(self.topology_file, frozen_text.encode())
         return state
+
+    def replace_topology(self, topology: Topology) -> Path:
+        """Freeze ``topology`` in place of the current one (a hot swap), by rename: a job starting meanwhile
+        reads the old or the new one. Returns where the old one is kept (``topology.<time>.yaml``)."""
+        kept = self._history_name()
+        kept.write_bytes(self.topology_file.read_bytes())
+        write_bytes_atomic(self.topology_file, dump_topology(topology).encode())
+        return kept
+
+    def _history_name(self) -> Path:
+        """A free ``topology.<time>[-N].yaml`` for the topology being replaced."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        candidate, n = self.root / f"topology.{stamp}.yaml", 1
+        while candidate.exists():
+            n += 1
+            candidate = self.root / f"topology.{stamp}-{n}.yaml"
+        return candidate
 
     def _ensure_secret(self) -> None:
         path = self.secret_file
