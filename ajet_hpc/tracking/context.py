@@ -209,8 +209,10 @@ class ContextTracker:
             response_logprobs=[float(value) for value in response_logprobs],
             token_authors=list(plan.token_authors) + [MODEL] * len(response),
             loss_mask=[0] * len(plan.prompt_ids) + [1] * len(response),
-            messages=[*copy.deepcopy(plan.messages), copy.deepcopy(reply_message)],
-            tools=copy.deepcopy(plan.tools),
+            # the plan's messages and tools are its own copies (build_prompt), shared read-only by the
+            # timelines of its answers: not copied again
+            messages=[*plan.messages, copy.deepcopy(reply_message)],
+            tools=plan.tools,
             policy_version=policy_version,
             finish_reason=finish_reason,
             drift=list(plan.drift),
