@@ -250,9 +250,7 @@ def test_summary_of_metrics_only_reads_the_merge_ratio_from_them(tmp_path: Path,
     assert code == 0, err
     assert "model policy  [no store yet (policy.h5)]" in out
     assert "steps      3 (last 3, policy version 3)" in out and "episodes   0" in out
-    assert (
-        "merge      0.75 samples per timeline (samples 18 / samples_before_merge 24, metrics.jsonl)" in out
-    )
+    assert "merge      0.75 samples per timeline (samples 18 / samples_before_merge 24, metrics.jsonl)" in out
     code, _, err = inspect(capsys, run, "plot", "-o", tmp_path / "metrics.png")
     assert code == 0 and (tmp_path / "metrics.png").stat().st_size > 0, err
 
