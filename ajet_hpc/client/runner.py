@@ -192,6 +192,11 @@ class GroupTask:
         except Exception as exc:
             if _is_connection_error(exc):
                 raise ServerAway(str(exc)) from exc
+            if self.stopping.is_set():  # its episodes were aborted under it by the drain: not its fault
+                log.info("task %s repeat %d stopped with the runner (%s)", task.id, repeat, exc)
+                with self.tally.lock:
+                    self.tally.aborted += 1
+                return
             reason = "".join(traceback.format_exception(exc))
             log.warning("agent failed on task %s repeat %d:\n%s", task.id, repeat, reason)
             for name, b in begun.items():
