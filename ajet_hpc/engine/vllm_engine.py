@@ -241,4 +241,7 @@ def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
         # streamed: one output per step with the new tokens; else one output at the end, as `vllm serve`
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         skip_special_tokens=True,  # stop strings are matched on this text
+        # vLLM's text is not used (the server decodes the ids itself): without stop strings, skip its
+        # incremental detokenizer and the decoding of every logprob's token in the API process
+        detokenize=bool(params.stop),
     )
