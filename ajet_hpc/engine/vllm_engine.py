@@ -171,10 +171,7 @@ class VllmEngine(EngineLifecycle):
                     continue
                 if finish is not None and finish not in _FINISH_REASONS:
                     raise EngineError(f"request {request_id}: vLLM finished it with {finish!r}")
-                logprobs = [
-                    entry[token].logprob
-                    for token, entry in zip(token_ids, completion.logprobs or [], strict=False)
-                ]
+                logprobs = _sampled_logprobs(token_ids, completion.logprobs)
                 if len(logprobs) != len(token_ids):
                     raise EngineError(f"request {request_id}: vLLM returned no logprob for some tokens")
                 yield Chunk(token_ids, logprobs, _FINISH_REASONS[finish] if finish else None)
@@ -225,6 +222,18 @@ class VllmEngine(EngineLifecycle):
             )
 
 
+def _sampled_logprobs(token_ids: list[int], found: Any) -> list[float]:
+    """The logprob of each sampled token. ``flat_logprobs`` gives one flat list per field, and with
+    ``logprobs=0`` one entry per position (the sampled token): read it as it is, without building a
+    ``{token: Logprob}`` dict per token."""
+    if found is None:
+        return []
+    flat_ids = getattr(found, "token_ids", None)
+    if flat_ids is not None and list(flat_ids) == token_ids:
+        return list(found.logprobs)
+    return [entry[token].logprob for token, entry in zip(token_ids, found, strict=False)]
+
+
 def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -238,6 +247,7 @@ def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         logprobs=0,  # the sampled token's logprob only
+        flat_logprobs=True,  # a few flat lists per request instead of a dict and a Logprob per token
         # streamed: one output per step with the new tokens; else one output at the end, as `vllm serve`
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         skip_special_tokens=True,  # stop strings are matched on this text
