@@ -89,7 +89,7 @@ class GroupTask:
         self.started = threading.Event()  # episodes have begun to run (set before the first one)
         self.stopping = threading.Event()  # SIGTERM: drain and leave
         self.tally = Tally()
-        store_path = run.data_dir / "clients" / group.name / f"{index}.h5"
+        store_path = run.client_store_dir(group.name) / f"{index}.h5"
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = ClientStore.open(store_path, group=group.name, index=index)
 
@@ -257,7 +257,7 @@ def _is_connection_error(exc: BaseException) -> bool:
 def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, int]]:
     """The (task, repeat) pairs committed in the group's stores other than ``mine``: every index, also the
     indices of an earlier, larger array, whose sharding differed (a hot swap can change the size)."""
-    folder = run.data_dir / "clients" / group
+    folder = run.client_store_dir(group)
     paths = {Path(str(p).removesuffix(".journal")) for p in folder.glob("*.h5*")} - {mine}
     found: set[tuple[str, int]] = set()
     for path in sorted(paths):

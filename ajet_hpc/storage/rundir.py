@@ -79,6 +79,10 @@ class RunDir:
     def data_dir(self) -> Path:
         return self.root / "data"
 
+    def client_store_dir(self, group: str) -> Path:
+        """Where a client group keeps its stores: ``data/clients/<group>/<index>.h5``."""
+        return self.data_dir / "clients" / group
+
     @property
     def ckpt_dir(self) -> Path:
         return self.root / "ckpt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,18 +14,22 @@ from support import REPO, run_module
 pytestmark = pytest.mark.slow
 
 
-def test_quickstart_learns(tmp_path: Path) -> None:
-    run = tmp_path / "quickstart"
+def run_locally(
+    config: str, run: Path, *overrides: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """Launch ``configs/<config>`` in the foreground on the local backend; its output and metrics rows."""
     done = run_module(
-        "ajet_hpc.launch",
-        str(REPO / "configs" / "quickstart.yaml"),
-        f"run.dir={run}",
-        "servers.policy.trainer.total_steps=14",
-        "servers.policy.trainer.seed=1",
-        timeout_s=900,
+        "ajet_hpc.launch", str(REPO / "configs" / config), f"run.dir={run}", *overrides, timeout_s=900
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return done, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_quickstart_learns(tmp_path: Path) -> None:
+    run = tmp_path / "quickstart"
+    done, rows = run_locally(
+        "quickstart.yaml", run, "servers.policy.trainer.total_steps=14", "servers.policy.trainer.seed=1"
+    )
     assert [row["step"] for row in rows] == list(range(1, 15))
     first = statistics.fmean(row["reward_mean"] for row in rows[:5])
     last = statistics.fmean(row["reward_mean"] for row in rows[-5:])
@@ -38,17 +43,12 @@ def test_quickstart_learns(tmp_path: Path) -> None:
 def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
     """The guessing game (up to four calls per episode) with linear merging: every step trains fewer
     samples than there were calls, and the same trained tokens."""
-    run = tmp_path / "guess"
-    done = run_module(
-        "ajet_hpc.launch",
-        str(REPO / "configs" / "guess.yaml"),
-        f"run.dir={run}",
+    _, rows = run_locally(
+        "guess.yaml",
+        tmp_path / "guess",
         "servers.policy.trainer.total_steps=3",
         "servers.policy.trainer.tasks_per_batch=4",
-        timeout_s=900,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         assert row["samples"] == row["episodes"]  # one linear conversation each: one sample

@@ -192,7 +192,7 @@ def test_add_clients_validates_the_block_with_the_topology(
 def test_a_local_task_that_ignores_sigterm_is_killed(
     run: RunDir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    stubborn = subprocess.Popen(
+    lingering = subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -202,11 +202,11 @@ def test_a_local_task_that_ignores_sigterm_is_killed(
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert stubborn.stdout is not None and stubborn.stdout.readline() == "ready\n"
-    job = SubmittedJob("clients-math", "local", str(stubborn.pid), [str(stubborn.pid)], "logs/x", ["math"])
+    assert lingering.stdout is not None and lingering.stdout.readline() == "ready\n"
+    job = SubmittedJob("clients-math", "local", str(lingering.pid), [str(lingering.pid)], "logs/x", ["math"])
     monkeypatch.setattr(swap, "LOCAL_GRACE_S", 1.0)
     took, _ = swap._stop(run, run.load_topology(), job, 30.0, print)
-    assert stubborn.poll() is not None and took < 20
+    assert lingering.poll() is not None and took < 20
     assert "ignored SIGTERM for 1s" in capsys.readouterr().out
 
 
