@@ -5,9 +5,10 @@ streams each request's outputs as deltas (``RequestOutputKind.DELTA``), one toke
 Log-probabilities are requested for the sampled token only (``logprobs=0``) in vLLM's default
 ``logprobs_mode="raw_logprobs"``, set explicitly here: the model's log-softmax before temperature and top-p.
 
-Weights are reloaded in place (`load_weights`) between engine steps, with generation paused, and the KV
-cache of requests in flight is recomputed with the new weights: every token sampled after
-``load_weights`` returns comes from the new weights.
+Weights are reloaded in place (`load_weights`, through our worker extension ``vllm_worker``) between
+engine steps, with generation paused, and the KV cache of requests in flight is recomputed with the new
+weights: every token sampled after ``load_weights`` returns comes from the new weights. With placement
+colocate the engine sleeps (vLLM sleep mode, level 1) while the trainer's ranks use the GPUs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ajet_hpc.engine.base import (
     check_prompt,
 )
 from ajet_hpc.engine.model_path import offline_hub
+from ajet_hpc.engine.vllm_worker import EXTENSION as WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,6 +62,12 @@ class VllmSettings:
     """Reuse the KV cache of shared prompt prefixes (reset on every weight reload)."""
     seed: int = 0
     """Seeds the random stream of requests that give no seed of their own."""
+    tensor_parallel_size: int = 1
+    """GPUs the engine spreads the model over (the server's ``engine_gpus``)."""
+    max_num_seqs: int = 256
+    """Most requests batched in one engine step."""
+    enable_sleep_mode: bool = False
+    """Let the engine free its GPU memory while the trainer runs (placement colocate; CUDA only)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +76,8 @@ class VllmSettings:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("tensor_parallel_size and max_num_seqs must be >= 1")
         if self.cpu_kv_cache_gib < 1:
             raise ValueError(f"cpu_kv_cache_gib must be >= 1, got {self.cpu_kv_cache_gib}")
 
@@ -85,7 +95,7 @@ class VllmEngine(EngineLifecycle):
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._llm: Any = None
         self._vocab_size = 0
-        self._tied_embeddings = False
+        self._asleep = False
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
 
@@ -106,7 +116,8 @@ class VllmEngine(EngineLifecycle):
         dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
         config = json.loads((self.model_path / "config.json").read_text())
         self._vocab_size = config["vocab_size"]
-        self._tied_embeddings = bool(config.get("tie_word_embeddings", False))
+        if settings.enable_sleep_mode and on_cpu:
+            raise EngineError("sleep mode (placement colocate) needs CUDA; vLLM has none on the CPU")
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=dtype,
@@ -116,6 +127,10 @@ class VllmEngine(EngineLifecycle):
             enable_prefix_caching=settings.enable_prefix_caching,
             seed=settings.seed,
             logprobs_mode="raw_logprobs",
+            tensor_parallel_size=settings.tensor_parallel_size,
+            max_num_seqs=settings.max_num_seqs,
+            enable_sleep_mode=settings.enable_sleep_mode,
+            worker_extension_cls=WORKER_EXTENSION,
         )
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
@@ -186,40 +201,57 @@ class VllmEngine(EngineLifecycle):
             await self._llm.abort(request_id)
 
     async def load_weights(self, path: Path, version: int) -> None:
-        """Reload the weights from a ``save_pretrained`` folder in place, without restarting vLLM.
+        """Load the weights of a ``save_pretrained`` folder in place, without restarting vLLM.
 
-        Generation pauses (requests in flight are kept), the worker reloads the weights, the prefix cache
-        is dropped and requests in flight recompute their KV cache under the new weights, then generation
-        resumes. Untied input/output embeddings only: vLLM's in-place reload breaks a tie.
+        Generation pauses (requests in flight are kept), each worker reloads the checkpoint into its model's
+        parameters (`vllm_worker`: tied embeddings stay tied), the prefix cache is dropped and requests in
+        flight recompute their KV cache under the new weights, then generation resumes. A sleeping engine
+        (placement colocate) is woken first.
         """
         if self._llm is None or self._reload_lock is None:
             raise EngineError("the engine is not started: call start() first")
-        if self._tied_embeddings:
-            raise EngineError(
-                f"load_weights: {self.model_path} ties its input and output embeddings, which vLLM's "
-                "in-place reload breaks (the output head keeps its old values); use an untied model "
-                "(tie_word_embeddings=False) or the transformers engine"
-            )
         path = Path(path)
         if not any(path.glob("*.safetensors")):
             raise EngineError(f"load_weights: no *.safetensors file in {path} (save with save_pretrained)")
+        if self._asleep:
+            await self.wake_up()
         async with self._reload_lock:
             started = time.monotonic()
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
                 self.policy_version = version  # before any token of the new weights streams out
             finally:
                 await llm.resume_generation()
             log.info(
-                "vllm engine: reloaded weights %s as policy version %d in %.3f s",
+                "vllm engine: loaded weights %s as policy version %d in %.3f s",
                 path,
                 version,
                 time.monotonic() - started,
             )
+
+    async def sleep(self) -> float:
+        """Free the engine's GPU memory (sleep level 1: weights to host memory, KV cache dropped) while the
+        trainer runs; requests in flight wait. Returns the seconds it took; 0 without sleep mode."""
+        if self._llm is None or not self.settings.enable_sleep_mode or self._asleep:
+            return 0.0
+        started = time.monotonic()
+        await self._llm.sleep(level=1, mode="keep")
+        self._asleep = True
+        return time.monotonic() - started
+
+    async def wake_up(self) -> float:
+        """Bring the weights and KV cache back after `sleep`; the seconds it took (0 when awake)."""
+        if self._llm is None or not self._asleep:
+            return 0.0
+        started = time.monotonic()
+        await self._llm.wake_up()
+        await self._llm.reset_prefix_cache(reset_running_requests=True)
+        self._asleep = False
+        return time.monotonic() - started
 
 
 def _sampled_logprobs(token_ids: list[int], found: Any) -> list[float]:
