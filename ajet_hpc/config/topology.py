@@ -31,6 +31,7 @@ from ajet_hpc.config.fields import (
     TaskSource,
     slurm_time_minutes,
 )
+from ajet_hpc.launch.placement import Placement, PlacementError, plan_placement
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -207,6 +208,32 @@ class ServingConfig(BaseModel):
     )
 
 
+class VllmConfig(BaseModel):
+    """Settings of the vLLM engine a GPU user tunes (ignored by the transformers engine)."""
+
+    model_config = _MODEL_CONFIG
+
+    gpu_memory_utilization: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of each engine GPU's memory vLLM takes for weights and KV cache. With placement "
+        "colocate the trainer's ranks live beside it: the launcher checks that both fit.",
+    )
+    max_num_seqs: int = Field(default=256, ge=1, description="Most requests vLLM batches in one step.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="Engine weights' dtype; 'auto': bfloat16 on GPUs, float32 on CPUs."
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV cache of shared prompt prefixes (reset at every weight sync)."
+    )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="No CUDA graphs; null: eager on CPUs, CUDA graphs on GPUs (faster, slower to start).",
+    )
+
+
 class ServerConfig(BaseModel):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""
 
@@ -221,7 +248,29 @@ class ServerConfig(BaseModel):
     )
     partition: Partition = Field(default="gpu", description="Slurm partition of the server job.")
     nodes: int = Field(default=1, ge=1, description="Nodes of the server job.")
-    gpus_per_node: int = Field(default=1, ge=0, description="GPUs per node; 0 runs on CPUs (laptops, CI).")
+    gpus_per_node: int = Field(
+        default=2,
+        ge=0,
+        description="GPUs per node; 0 runs on CPUs (laptops, CI). The default 2 gives the engine one GPU and "
+        "the trainer one (placement split).",
+    )
+    placement: Literal["split", "colocate"] = Field(
+        default="split",
+        description="'split': the engine takes the first engine_gpus GPUs of the first node, the trainer one "
+        "rank on every other GPU; 'colocate': both share every GPU, the engine sleeping (vLLM sleep mode) "
+        "while the ranks train (GPUs only). docs/placement.md.",
+    )
+    engine_gpus: int = Field(
+        default=1, ge=1, description="GPUs of the vLLM engine on the first node (its tensor parallel size)."
+    )
+    gpu_memory_gib: float = Field(
+        default=80.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Memory of one GPU of the partition in GiB, for the launcher's check that the model "
+        "fits.",
+    )
+    vllm: VllmConfig = Field(default=VllmConfig(), description="vLLM engine settings.")
     cpus: int = Field(default=4, ge=1, description="CPUs per task (--cpus-per-task).")
     mem: SlurmMemory = Field(
         default="16G",
@@ -365,6 +414,7 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
                     )
                 )
     issues += _mix_issues(topology)
+    issues += _placement_issues(topology)
     if envs_dir is not None:
         issues += _missing_envs(topology, envs_dir)
     return issues
@@ -421,6 +471,36 @@ def _mix_issues(topology: Topology) -> list[ConfigIssue]:
                     f"clients[{index[groups[0].name]}].ratio",
                     f"ratios need trainer.batch_policy 'tasks' (server {server.name!r} uses "
                     f"{server.trainer.batch_policy!r})",
+                )
+            )
+    return issues
+
+
+def server_placement(server: ServerConfig) -> Placement:
+    """Where the server's engine and trainer ranks run (``PlacementError`` when impossible)."""
+    return plan_placement(
+        nodes=server.nodes,
+        gpus_per_node=server.gpus_per_node,
+        mode=server.placement,
+        engine_gpus=server.engine_gpus,
+        cpu_ranks=server.trainer.ranks if server.trainer is not None else 1,
+        trains=server.trainer is not None,
+    )
+
+
+def _placement_issues(topology: Topology) -> list[ConfigIssue]:
+    issues = []
+    for i, server in enumerate(topology.servers):
+        try:
+            server_placement(server)
+        except PlacementError as error:
+            issues.append(ConfigIssue(f"servers[{i}].{error.field}", error.message))
+        if server.placement == "colocate" and server.engine == "transformers":
+            issues.append(
+                ConfigIssue(
+                    f"servers[{i}].engine",
+                    "placement colocate needs the vllm engine (its sleep mode frees the GPUs for the "
+                    "trainer); use engine: vllm, or placement: split",
                 )
             )
     return issues

@@ -183,5 +183,14 @@ class EngineLifecycle:
         await self.start()  # type: ignore[attr-defined]
         return self
 
+    async def sleep(self) -> float:
+        """Free the engine's accelerator memory while the trainer runs (placement colocate); the seconds
+        it took. Engines without a sleep mode keep their memory and return 0."""
+        return 0.0
+
+    async def wake_up(self) -> float:
+        """Undo `sleep`; the seconds it took (0 when there was nothing to undo)."""
+        return 0.0
+
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()  # type: ignore[attr-defined]

@@ -10,14 +10,16 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Mapping
 
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
-from ajet_hpc.config.topology import co_trained, mix_of
+from ajet_hpc.config.topology import co_trained, mix_of, server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
+from ajet_hpc.launch.placement import Placement, select_devices, visible_devices
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import preemption
 from ajet_hpc.server.app import ServerContext, create_app
@@ -131,12 +133,58 @@ def _save_on_signal(ctx: ServerContext, budget_s: float) -> None:
             log.warning("signal: the episode store did not flush in time")
 
 
+def is_server_process(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is the server of its allocation: the first task of the first node.
+
+    A server job of several nodes runs one task per node (submitit, ``sbatch/server.sbatch``, hetjobs);
+    only task 0 serves, the others leave the nodes to the trainer's ranks, which the server starts there."""
+    return int(environ.get("SLURM_PROCID", "0")) == 0
+
+
+def engine_settings(config: ServerConfig, placement: Placement) -> dict:
+    """The engine's settings from the server's fields (those the chosen engine lacks are dropped)."""
+    vllm = config.vllm
+    return {
+        "max_model_len": config.serving.max_model_len,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "max_num_seqs": vllm.max_num_seqs,
+        "dtype": vllm.dtype,
+        "enable_prefix_caching": vllm.enable_prefix_caching,
+        "enforce_eager": vllm.enforce_eager,
+        "tensor_parallel_size": placement.tensor_parallel,
+        "enable_sleep_mode": placement.mode == "colocate",
+    }
+
+
+def bind_engine_gpus(placement: Placement, environ: dict[str, str]) -> dict[str, str]:
+    """Show the engine (this process and the vLLM workers it spawns) only its GPUs; returns the job step's
+    environment as it was, for the trainer's ranks."""
+    step_env = dict(environ)
+    if placement.on_gpu:
+        visible = visible_devices(step_env, placement.gpus_per_node)
+        environ["CUDA_VISIBLE_DEVICES"] = select_devices(visible, placement.engine_gpus, "the engine")
+    return step_env
+
+
 def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     setup_logging()
     run = RunDir.at(run_dir)
     topology = run.load_topology()
     config = pick_server(topology, name)
     job = environment.current()
+    if not is_server_process():
+        log.info(
+            "server %s: task %s on node %s runs no server (the first task serves; trainer ranks reach this "
+            "node through srun)",
+            config.name,
+            os.environ.get("SLURM_PROCID"),
+            job.node,
+        )
+        return 0
+    placement = server_placement(config)
+    for line in placement.describe():
+        log.info("placement: %s", line)
+    step_env = bind_engine_gpus(placement, os.environ)  # type: ignore[arg-type]
     sock = _bind(job.bind_host(), config.port)
     host, port = job.advertise_host(), sock.getsockname()[1]
     log.info(
@@ -144,7 +192,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     )
 
     model_path = resolve_model(config.model, run.root / "models")
-    engine = create_engine(config.engine, model_path, max_model_len=config.serving.max_model_len)
+    engine = create_engine(config.engine, model_path, **engine_settings(config, placement))
     ctx = ServerContext(
         name=config.name,
         engine=engine,
@@ -156,7 +204,11 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
     if config.trainer is not None:
         mix = mix_of(topology, config.name)
-        ctx.attach_trainer(Coordinator(ctx, config, model_path, run.root, on_slurm=job.on_slurm, mix=mix))
+        coordinator = Coordinator(
+            ctx, config, model_path, run.root, on_slurm=job.on_slurm, mix=mix, placement=placement
+        )
+        coordinator.rank_env = step_env
+        ctx.attach_trainer(coordinator)
     server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
         name=config.name,

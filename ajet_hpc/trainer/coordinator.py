@@ -22,6 +22,8 @@ from tqdm import tqdm
 
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
+from ajet_hpc.config.topology import server_placement
+from ajet_hpc.launch.placement import Placement
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
@@ -41,8 +43,10 @@ class Coordinator:
         run_root: Path,
         on_slurm: bool,
         mix: dict[str, float] | None = None,
+        placement: Placement | None = None,
     ) -> None:
-        """``mix``: client group -> share of each batch's tasks (``ClientGroupConfig.ratio``), or None."""
+        """``mix``: client group -> share of each batch's tasks (``ClientGroupConfig.ratio``), or None;
+        ``placement``: where the ranks run (default: the server's own, ``server_placement``)."""
         if server.trainer is None:
             raise ValueError(f"server {server.name} has no trainer")
         self.ctx, self.server, self.config = ctx, server, server.trainer
@@ -50,6 +54,8 @@ class Coordinator:
         self.work_dir = run_root / "ckpt" / server.name
         self.metrics_path = run_root / "metrics.jsonl"
         self.collector = BatchCollector(server.trainer, mix=mix)
+        self.placement = placement or server_placement(server)
+        self.rank_env: dict[str, str] | None = None  # the job step's environment (None: this process's)
         self.process: subprocess.Popen | None = None
         self.channel: TrainerChannel | None = None
         self.step = 0
@@ -78,8 +84,9 @@ class Coordinator:
             self.model_path,
             self.config,
             on_slurm=self.on_slurm,
-            nodes=self.server.nodes,
+            placement=self.placement,
             log_path=log_path,
+            env=self.rank_env,
         )
         channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
         self.channel = channel
@@ -132,13 +139,17 @@ class Coordinator:
             self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
             self._in_flight = _InFlight(step, batch, samples, merging, started)
+            colocated = self.placement.mode == "colocate"
+            sleep_s = await self.ctx.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
             channel.submit(step, samples, save_checkpoint=save)
             result = await channel.wait_result(step)
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
                 return
             trained = time.monotonic()
+            wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
             await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
             sync_s = time.monotonic() - trained
+            result = {**result, "sleep_s": sleep_s, "wake_s": wake_s}
         finally:
             self.ctx.admission.set()
         self._in_flight = None
@@ -208,6 +219,8 @@ class Coordinator:
             "step_time_s": round(step_s, 4),
             "train_time_s": result.get("step_time_s"),
             "weight_sync_s": round(sync_s, 4),
+            "engine_sleep_s": result.get("sleep_s"),
+            "engine_wake_s": result.get("wake_s"),
             "policy_version": self.step,
             "staleness": statistics.fmean(lag) if lag else 0.0,
             "skipped_equal_groups": batch.skipped_equal,

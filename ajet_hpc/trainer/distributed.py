@@ -21,13 +21,24 @@ class RankEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    node: int = 0
+    """The rank's node in the allocation (SLURM_NODEID under srun; 0 under torchrun)."""
+    gpu_bound: bool = False
+    """True once the rank's ``CUDA_VISIBLE_DEVICES`` shows it its one GPU (then ``cuda:0``)."""
+
+    @property
+    def device_index(self) -> int:
+        """The CUDA device this rank uses: 0 when bound to one GPU, else its local rank."""
+        return 0 if self.gpu_bound else self.local_rank
 
     def export(self, environ: dict[str, str]) -> None:
-        """Write the variables env:// reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+        """Write the variables env:// reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+        LOCAL_RANK is the device index: DeepSpeed sets the device from it, and a bound rank sees one GPU."""
         environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(self.local_rank),
+            LOCAL_RANK=str(self.device_index),
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
         )
@@ -72,6 +83,7 @@ def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] =
             local_rank=int(environ.get("SLURM_LOCALID", "0")),
             master_addr=addr,
             master_port=int(environ["MASTER_PORT"]),
+            node=int(environ.get("SLURM_NODEID", "0")),
         )
     raise RuntimeError("neither RANK (torchrun) nor SLURM_PROCID (srun) is set: use ajet_hpc.trainer.launch")
 
@@ -83,7 +95,7 @@ def init_process_group(env: RankEnv, on_gpu: bool) -> None:
 
     env.export(os.environ)
     if on_gpu:
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(env.device_index)
     backend = "nccl" if on_gpu else "gloo"
     # Ranks wait for batches in short collective polls (see worker), so no call waits long.
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))

@@ -1,18 +1,22 @@
 """Start the trainer's ranks next to the coordinator: torchrun on one node, srun across nodes.
 
+How many ranks run on each node, and on which GPUs, is the server's placement (``launch/placement.py``).
+
 One node (Slurm or not): ``python -m torch.distributed.run --standalone --nproc_per_node=<ranks> -m
 ajet_hpc.trainer.worker ...`` (``--standalone`` makes torchrun pick a free rendezvous port itself).
 
-Several nodes (inside the server job's allocation, from its batch script's process on the first node):
-``srun --nodes=<nodes> --ntasks=<nodes*ranks> --ntasks-per-node=<ranks> --overlap --kill-on-bad-exit=1
-python -m ajet_hpc.trainer.worker ...``. Each task is one rank; the worker maps SLURM_PROCID / SLURM_NTASKS
-/ SLURM_LOCALID to RANK / WORLD_SIZE / LOCAL_RANK and takes MASTER_ADDR from the first node of the step's
-node list; MASTER_PORT is a port found free here (this process runs on the allocation's first node).
-``--overlap`` lets the step share the nodes with the coordinator's own step, if it runs as one.
+Several nodes (inside the server job's allocation, from the server process on the first node):
+``srun --nodes=<nodes> --ntasks=<world> --distribution=arbitrary --overlap --kill-on-bad-exit=1 python -m
+ajet_hpc.trainer.worker ...`` with ``SLURM_HOSTFILE`` naming each rank's node in rank order, so nodes may
+hold different numbers of ranks (the first node gives GPUs to the engine). Each task is one rank; the worker
+maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID to its rank, and takes MASTER_ADDR from the
+first node of the step's node list; MASTER_PORT is a port found free here (this process runs on the
+allocation's first node). ``--overlap`` lets the step share the nodes with the server's own step.
 
-Without CUDA the ranks run DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) with one OpenMP thread each.
-Which GPUs the ranks see (apart from the engine's) is the caller's choice, through ``env``. The ranks
-stop by themselves when the process that started them is gone (rank 0 checks it on the same host).
+On GPUs each rank binds to its one GPU (``AJET_RANK_GPUS``, read by the worker before CUDA starts), which
+it sees as ``cuda:0``. Without CUDA the ranks run DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) with
+one OpenMP thread each. The ranks stop by themselves when the process that started them is gone (rank 0
+checks it on the same host).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.launch.placement import RANK_GPUS_VAR, Placement
+from ajet_hpc.trainer.distributed import slurm_hostnames
 from ajet_hpc.trainer.protocol import WorkDir
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
@@ -54,22 +60,30 @@ def worker_args(work_dir: Path, model_dir: Path, config: TrainerConfig) -> list[
 
 
 def rank_command(
-    work_dir: Path, model_dir: Path, config: TrainerConfig, *, on_slurm: bool, nodes: int, python: str
+    work_dir: Path,
+    model_dir: Path,
+    config: TrainerConfig,
+    *,
+    on_slurm: bool,
+    ranks_per_node: Sequence[int],
+    python: str,
 ) -> list[str]:
     """The command line that starts all ranks (pure; see the module doc)."""
-    if nodes < 1:
-        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    nodes = len(ranks_per_node)
+    if nodes < 1 or min(ranks_per_node) < 0 or sum(ranks_per_node) < 1:
+        raise ValueError(f"no ranks to start: ranks per node {list(ranks_per_node)}")
     if nodes > 1 and not on_slurm:
         raise ValueError(f"{nodes} nodes need Slurm: outside Slurm the trainer runs on one node")
     worker = worker_args(work_dir, model_dir, config)
     if nodes == 1:
-        torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.ranks}"]
+        per_node = f"--nproc_per_node={ranks_per_node[0]}"
+        torchrun = [python, "-m", "torch.distributed.run", "--standalone", per_node]
         return [*torchrun, "--module", *worker[1:]]
     return [
         "srun",
-        f"--nodes={nodes}",
-        f"--ntasks={nodes * config.ranks}",
-        f"--ntasks-per-node={config.ranks}",
+        f"--nodes={sum(1 for n in ranks_per_node if n)}",
+        f"--ntasks={sum(ranks_per_node)}",
+        "--distribution=arbitrary",
         "--overlap",
         "--kill-on-bad-exit=1",
         python,
@@ -77,11 +91,27 @@ def rank_command(
     ]
 
 
-def rank_environment(base: Mapping[str, str], *, on_gpu: bool, nodes: int) -> dict[str, str]:
-    """The ranks' environment: ``base`` plus the accelerator's settings and, across nodes, MASTER_PORT."""
+def hostfile_lines(hostnames: Sequence[str], ranks_per_node: Sequence[int]) -> list[str]:
+    """``SLURM_HOSTFILE`` for ``--distribution=arbitrary``: one line per rank, its node, in rank order."""
+    if len(hostnames) < len(ranks_per_node):
+        raise ValueError(
+            f"the allocation has {len(hostnames)} node(s) ({', '.join(hostnames)}), the placement "
+            f"{len(ranks_per_node)}"
+        )
+    return [host for host, count in zip(hostnames, ranks_per_node, strict=False) for _ in range(count)]
+
+
+def rank_environment(
+    base: Mapping[str, str], *, on_gpu: bool, nodes: int, rank_gpus: str | None = None
+) -> dict[str, str]:
+    """The ranks' environment: ``base`` plus the accelerator's settings, the GPU table and, across nodes,
+    MASTER_PORT."""
     env = dict(base)
     env[PARENT_PID_VAR] = str(os.getpid())
     env[PARENT_HOST_VAR] = socket.gethostname()
+    env.pop(RANK_GPUS_VAR, None)
+    if on_gpu and rank_gpus is not None:
+        env[RANK_GPUS_VAR] = rank_gpus
     if not on_gpu:
         env["DS_ACCELERATOR"] = "cpu"
         env["OMP_NUM_THREADS"] = "1"
@@ -106,27 +136,38 @@ def start_ranks(
     config: TrainerConfig,
     *,
     on_slurm: bool,
-    nodes: int,
+    placement: Placement,
     log_path: Path,
-    on_gpu: bool | None = None,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start the ranks (in a new process group) with their output appended to ``log_path``; the caller
     watches the returned process (``poll()``) and ends it with ``terminate()``. Clears the ``stop`` and
-    ``ready.json`` files of an earlier run first. ``on_gpu`` defaults to ``torch.cuda.is_available()``."""
+    ``ready.json`` files of an earlier run first. ``env``: the environment of the server's job step
+    (default ``os.environ``), before the engine narrowed its own ``CUDA_VISIBLE_DEVICES``."""
     work = WorkDir(Path(work_dir).absolute())
     work.root.mkdir(parents=True, exist_ok=True)
     for stale in (work.stop, work.save_request, work.save_refused):  # left by the previous job
         stale.unlink(missing_ok=True)
     work.ready.unlink(missing_ok=True)
-    if on_gpu is None:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
+    ranks_per_node = placement.ranks_per_node
     command = rank_command(
-        work.root, Path(model_dir).absolute(), config, on_slurm=on_slurm, nodes=nodes, python=sys.executable
+        work.root,
+        Path(model_dir).absolute(),
+        config,
+        on_slurm=on_slurm,
+        ranks_per_node=ranks_per_node,
+        python=sys.executable,
     )
-    environment = rank_environment(os.environ if env is None else env, on_gpu=on_gpu, nodes=nodes)
+    base = os.environ if env is None else env
+    environment = rank_environment(
+        base, on_gpu=placement.on_gpu, nodes=len(ranks_per_node), rank_gpus=placement.rank_gpus_json()
+    )
+    if len(ranks_per_node) > 1:
+        nodelist = base.get("SLURM_JOB_NODELIST") or base.get("SLURM_NODELIST") or ""
+        hosts = hostfile_lines(slurm_hostnames(nodelist), ranks_per_node)
+        hostfile = work.root / "hostfile"
+        hostfile.write_text("\n".join(hosts) + "\n")
+        environment["SLURM_HOSTFILE"] = str(hostfile)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

@@ -12,6 +12,7 @@ shared file system shows each node, and no rank waits long inside a collective.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
+from ajet_hpc.launch.placement import bind_rank_gpu
 from ajet_hpc.storage.atomic import read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     # server answers it by asking the ranks to save (save-request), so the ranks must survive it.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     env = rank_env(os.environ)
+    # before anything starts CUDA: this rank's one GPU of the placement (AJET_RANK_GPUS)
+    env = dataclasses.replace(env, gpu_bound=bind_rank_gpu(os.environ, env.node, env.local_rank))
     setup_rank_logging(env.rank)
     offline_hub()
     config = TrainerConfig.model_validate_json(args.config)
@@ -90,12 +94,13 @@ class Rank:
         self.step = 0
 
     def run(self) -> int:
-        on_gpu = torch.cuda.is_available()
+        # a CPU placement runs on the CPU also where CUDA is there (the launcher set DS_ACCELERATOR=cpu)
+        on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
         started = time.monotonic()
         try:
             torch.manual_seed(self.config.seed + self.env.rank)
             init_process_group(self.env, on_gpu)
-            self.models = zero.build(self.model_dir, self.config, on_gpu, self.env.local_rank)
+            self.models = zero.build(self.model_dir, self.config, on_gpu, self.env.device_index)
             self.pad_id = _pad_id(self.models.engine.module.config)
             self.step = zero.resume(
                 self.models, self.work, self.env.rank, self.env.world_size, self.config.zero_stage

@@ -24,9 +24,10 @@ from transformers import AutoModelForCausalLM
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
 from ajet_hpc.algo.samples import Sample, collate
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.launch.placement import cpu_placement
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
-from ajet_hpc.trainer.launch import rank_command, start_ranks
+from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, read_batch, write_error
 from ajet_hpc.trainer.step import plan_micro_batches
 
@@ -93,7 +94,7 @@ def test_rank_variables_from_torchrun_and_from_srun() -> None:
 
 def test_rank_commands() -> None:
     config = TrainerConfig(ranks=4)
-    local = rank_command(Path("/w"), Path("/m"), config, on_slurm=True, nodes=1, python="py")
+    local = rank_command(Path("/w"), Path("/m"), config, on_slurm=True, ranks_per_node=[4], python="py")
     assert local[:6] == [
         "py",
         "-m",
@@ -104,11 +105,15 @@ def test_rank_commands() -> None:
     ]
     assert local[6:11] == ["ajet_hpc.trainer.worker", "--work-dir", "/w", "--model", "/m"]
     assert TrainerConfig.model_validate_json(local[-1]) == config
-    multi = rank_command(Path("/w"), Path("/m"), config, on_slurm=True, nodes=2, python="py")
-    assert multi[:4] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
+    # split placement on 2 nodes of 8 GPUs, engine on 2: 6 ranks on the first node, 8 on the second
+    multi = rank_command(Path("/w"), Path("/m"), config, on_slurm=True, ranks_per_node=[6, 8], python="py")
+    assert multi[:4] == ["srun", "--nodes=2", "--ntasks=14", "--distribution=arbitrary"]
     assert multi[multi.index("py") : multi.index("py") + 3] == ["py", "-m", "ajet_hpc.trainer.worker"]
+    assert hostfile_lines(["g1", "g2", "g3"], [2, 3]) == ["g1", "g1", "g2", "g2", "g2"]
     with pytest.raises(ValueError, match="Slurm"):
-        rank_command(Path("/w"), Path("/m"), config, on_slurm=False, nodes=2, python="py")
+        rank_command(Path("/w"), Path("/m"), config, on_slurm=False, ranks_per_node=[4, 4], python="py")
+    with pytest.raises(ValueError, match="allocation has 1 node"):
+        hostfile_lines(["g1"], [2, 3])
 
 
 def test_channel_submits_reports_errors_and_notices_dead_ranks(tmp_path: Path) -> None:
@@ -223,7 +228,14 @@ class Ranks:
 
     def __init__(self, work_dir: Path, model_dir: Path, config: TrainerConfig) -> None:
         self.log = work_dir / "ranks.log"
-        self.proc = start_ranks(work_dir, model_dir, config, on_slurm=False, nodes=1, log_path=self.log)
+        self.proc = start_ranks(
+            work_dir,
+            model_dir,
+            config,
+            on_slurm=False,
+            placement=cpu_placement(config.ranks),
+            log_path=self.log,
+        )
         self.channel = TrainerChannel(work_dir, alive=lambda: self.proc.poll() is None, log_path=self.log)
         self.ready = run(self.channel.wait_ready(timeout_s=START_TIMEOUT_S))
 

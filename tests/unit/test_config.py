@@ -122,9 +122,10 @@ def test_defaults() -> None:
         "auto",
         "gpu",
         1,
-        1,
+        2,
         4,
     )
+    assert (server.placement, server.engine_gpus, server.vllm.gpu_memory_utilization) == ("split", 1, 0.85)
     assert (server.mem, server.time, server.time_min, server.port) == ("16G", "4:00:00", 240, 0)
     trainer = server.trainer
     assert (trainer.algorithm, trainer.zero_stage, trainer.ranks, trainer.lr) == ("grpo", 2, 1, 1e-5)

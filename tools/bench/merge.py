@@ -35,6 +35,7 @@ from ajet_hpc.algo import merge  # noqa: E402
 from ajet_hpc.algo.samples import Sample  # noqa: E402
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
+from ajet_hpc.launch.placement import cpu_placement  # noqa: E402
 from ajet_hpc.trainer.launch import start_ranks  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel  # noqa: E402
 
@@ -123,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=2, ranks=1, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, total_steps=10**6
     )
     log_path = work / "ranks.log"
-    process = start_ranks(work / "trainer", model, config, on_slurm=False, nodes=1, log_path=log_path)
+    process = start_ranks(
+        work / "trainer", model, config, on_slurm=False, placement=cpu_placement(1), log_path=log_path
+    )
     channel = TrainerChannel(work / "trainer", alive=lambda: process.poll() is None, log_path=log_path)
     print(f"trainer: 1 rank, ZeRO-2, CPU, micro_batch_tokens {args.micro_batch_tokens}; work dir {work}")
     started = time.monotonic()
