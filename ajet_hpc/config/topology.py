@@ -126,7 +126,12 @@ class TrainerConfig(BaseModel):
 
     algorithm: Literal["grpo"] = Field(default="grpo", description="Policy-optimisation algorithm.")
     zero_stage: Annotated[Literal[1, 2, 3], NotBool] = Field(default=2, description="DeepSpeed ZeRO stage.")
-    ranks: int = Field(default=1, ge=1, description="Trainer processes (ranks) per node.")
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        description="Trainer processes (ranks) per node on a CPU server; on GPUs every trainer GPU runs one "
+        "rank (see the server's placement) and this is not used.",
+    )
     lr: float = Field(default=1e-5, gt=0, allow_inf_nan=False, description="Learning rate.")
     tasks_per_batch: int = Field(default=8, ge=1, description="Distinct tasks in one training batch.")
     repeats: int = Field(default=4, ge=1, description="Episodes per task in a batch (the GRPO group size).")

@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ajet_hpc.config import ConfigError, Topology, check_partitions, load_topology
+from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch import registry, runtimes, slurmcli, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import task_states
+from ajet_hpc.launch.fit import fit_issues
 from ajet_hpc.launch.plan import Planned, build_plan
 from ajet_hpc.launch.supervise import supervise
 from ajet_hpc.logging_setup import setup_logging
@@ -118,6 +120,9 @@ def still_active(run: RunDir, job: Planned) -> str | None:
 
 def launch(args: argparse.Namespace) -> int:
     topology, run = read_topology(args)
+    too_big = fit_issues(topology)
+    if too_big:
+        raise ConfigError(too_big)
     backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)
     if backend_name == "slurm" and slurmcli.available():
         check_partitions(topology, slurmcli.partitions())
@@ -133,6 +138,11 @@ def launch(args: argparse.Namespace) -> int:
             print(text)
         for line in runtimes.describe(client_runtimes):
             print(line)
+        for server in topology.servers:
+            size = f"{server.nodes} node(s) x {server.gpus_per_node} GPU(s)"
+            print(f"placement of server {server.name} ({size}, {server.placement}):")
+            for line in server_placement(server).describe():
+                print(f"  {line}")
         print(f"dry run: {len(plan)} job(s) for run directory {run.root}; nothing submitted or written")
         return 0
 

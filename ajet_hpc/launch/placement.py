@@ -112,7 +112,8 @@ def plan_placement(
 ) -> Placement:
     """The placement of one server allocation, or :class:`PlacementError` naming the field to change.
 
-    ``cpu_ranks`` is ``trainer.ranks`` (ranks per node on CPUs); ``trains`` is False for a server that only
+    ``cpu_ranks`` is ``trainer.ranks`` (ranks per node on CPUs; on GPUs each trainer GPU runs one rank
+    and it is not used); ``trains`` is False for a server that only
     serves (no ranks at all).
     """
     if nodes < 1:
@@ -128,12 +129,6 @@ def plan_placement(
             "engine_gpus",
             f"{engine_gpus} is more than the {gpus_per_node} GPUs of a node (gpus_per_node: "
             f"{gpus_per_node}); the engine's tensor parallelism stays inside one node",
-        )
-    if trains and cpu_ranks != 1:
-        raise PlacementError(
-            "trainer.ranks",
-            f"{cpu_ranks} ranks per node is for CPU servers; on GPUs each trainer GPU runs one rank "
-            "(see placement): leave trainer.ranks at 1",
         )
     engine = tuple(range(engine_gpus))
     placed: list[NodePlacement] = []

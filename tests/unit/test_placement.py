@@ -78,7 +78,6 @@ def test_colocate_shares_the_engine_gpus() -> None:
         ({"nodes": 2, "gpus": 4, "engine": 8}, "engine_gpus", "more than the 4 GPUs of a node"),
         ({"nodes": 1, "gpus": 0, "mode": "colocate"}, "placement", "colocate needs GPUs"),
         ({"nodes": 1, "gpus": 0, "engine": 2}, "engine_gpus", "on a CPU server"),
-        ({"nodes": 1, "gpus": 4, "ranks": 2}, "trainer.ranks", "each trainer GPU runs one rank"),
         ({"nodes": 2, "gpus": 4, "trains": False}, "nodes", "without a trainer"),
     ],
 )
