@@ -1,10 +1,11 @@
 """The server store: every closed episode and every training step of one model, in ``RUN/data/<model>.h5``.
 
-One writer, the server process (:class:`EpisodeWriter`, called from its recorder thread, one lock); any number
-of readers (:class:`EpisodeReader`), also while the server writes: the file is in HDF5 SWMR mode. An append
-is committed when it returns: its data written, flushed and fsynced, then the ``commit`` counter written and
-flushed. Readers see only what the counter covers; a writer reopening the file after a crash shrinks every
-dataset back to it. The layout and its reasons: :mod:`ajet_hpc.storage.h5_layout`, docs/storage.md.
+One writer, the server process (:class:`EpisodeWriter`, called from its recorder thread, one lock), holding
+the store's writer lease (:mod:`ajet_hpc.storage.lease`); any number of readers (:class:`EpisodeReader`),
+also while the server writes: the file is in HDF5 SWMR mode. An append is committed when it returns: its
+data written, flushed and fsynced, then the ``commit`` counter written and flushed. Readers see only what
+the counter covers; a writer reopening the file after a crash shrinks every dataset back to it. The layout
+and its reasons: :mod:`ajet_hpc.storage.h5_layout`, docs/storage.md.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ajet_hpc.storage.h5_layout import (
     write_at,
     writer_identity,
 )
+from ajet_hpc.storage.lease import HeldLease, Lease, LeaseLost, LeaseTiming, acquire_lease, close_detached
 from ajet_hpc.tracking.timeline import DriftEvent, Timeline
 
 if TYPE_CHECKING:
@@ -114,11 +116,15 @@ _OPEN_WRITERS_LOCK = threading.Lock()
 class EpisodeWriter:
     """Appends episodes and steps to one store; creates it, or reopens it recovering to the last commit.
 
-    Thread-safe (one lock). Each append is committed when it returns; a failed append leaves nothing behind
-    (the writer reopens the file at the last commit) and raises :class:`StoreError`.
+    Takes the store's writer lease first (:class:`StoreError` naming the live writer if another process
+    holds it) and keeps it while open. Thread-safe (one lock). Each append is committed when it returns; a
+    failed append leaves nothing behind (the writer reopens the file at the last commit) and raises
+    :class:`StoreError`. A writer whose lease was taken over closes itself without touching the file again.
     """
 
-    def __init__(self, path: Path, *, chunk_tokens: int = 65536) -> None:
+    def __init__(
+        self, path: Path, *, chunk_tokens: int = 65536, lease_timing: LeaseTiming | None = None
+    ) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._file: h5py.File | None = None
@@ -129,18 +135,35 @@ class EpisodeWriter:
                     f"{self.path}: already open for writing in this process; one writer per store"
                 )
             _OPEN_WRITERS.add(key)
-        self._release = weakref.finalize(self, _release, key)  # also when dropped without close()
+        try:
+            self._lease = acquire_lease(self.path, lease_timing or LeaseTiming(), self._on_lease_lost)
+        except BaseException:
+            _release(key, None)
+            raise
+        self._release = weakref.finalize(self, _release, key, self._lease)  # also when dropped unclosed
         try:
             if not self.path.exists():
                 create_file(self.path, chunk_tokens)
             self._open()
         except BaseException:
+            self._lease.release()
             self._release()
             raise
 
+    @property
+    def lease(self) -> Lease:
+        """The writer lease this writer holds (host, pid, Slurm job, last heartbeat)."""
+        return self._lease.lease
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close``, and once the lease was taken over (or a reopen after a failure failed)."""
+        return self._file is None
+
     def _open(self) -> None:
         check_not_truncated(self.path)
-        clear_stale_write_flags(self.path)
+        old = self._lease.taken_from
+        clear_stale_write_flags(self.path, old.pid if old is not None else None)
         f = open_file(self.path, write=True)
         try:
             f.attrs["writer"] = writer_identity()
@@ -216,7 +239,13 @@ class EpisodeWriter:
     def _append(self, encoded: Append, what: str) -> None:
         with self._lock:
             if self._file is None:
-                raise StoreError(f"{self.path}: the writer is closed")
+                lost = self._lease.lost
+                raise LeaseLost(lost) if lost else StoreError(f"{self.path}: the writer is closed")
+            try:
+                self._lease.confirm()
+            except LeaseLost:
+                self._detach()
+                raise
             try:
                 self._write(self._file, encoded)
             except Exception as exc:
@@ -256,18 +285,39 @@ class EpisodeWriter:
             assert self._file is not None
             self._file.close()
             self._file = None
+            self._lease.confirm()
             self._open()
         except Exception:
             self._file = None
             log.exception("%s: could not reopen the store; the writer is closed", self.path)
 
+    def _on_lease_lost(self) -> None:
+        """Called by the heartbeat thread when another process took the lease over."""
+        with self._lock:
+            self._detach()
+
+    def _detach(self) -> None:
+        """Close the file without writing to it (the new writer owns it now). Called with the lock held."""
+        if self._file is None:
+            return
+        log.error("%s: the writer lease was taken over; closing this writer without writing", self.path)
+        close_detached(self._file.close, self._fd)
+        self._file = None
+
     def close(self) -> None:
+        """Commit nothing new, close the file, release the lease (a writer that lost it only lets go)."""
         with self._lock:
             if self._file is not None:
-                self._file.flush()
-                os.fsync(self._fd)
-                self._file.close()
-                self._file = None
+                try:
+                    self._lease.confirm(force=True)
+                except StoreError:
+                    self._detach()
+                else:
+                    self._file.flush()
+                    os.fsync(self._fd)
+                    self._file.close()
+                    self._file = None
+        self._lease.release()
         self._release()
 
     def __enter__(self) -> EpisodeWriter:
@@ -277,9 +327,13 @@ class EpisodeWriter:
         self.close()
 
 
-def _release(key: str) -> None:
+def _release(key: str, lease: HeldLease | None) -> None:
+    """Let another writer of this process open the store; a lease not released by ``close`` just stops
+    its heartbeat (it then goes stale and the next writer takes it over)."""
     with _OPEN_WRITERS_LOCK:
         _OPEN_WRITERS.discard(key)
+    if lease is not None:
+        lease.stop()
 
 
 def _read_commit(ds: h5py.Dataset, path: Path, tries: int = 50) -> np.ndarray:

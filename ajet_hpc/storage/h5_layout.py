@@ -271,13 +271,14 @@ def check_not_truncated(path: Path) -> None:
     )
 
 
-def clear_stale_write_flags(path: Path) -> None:
-    """Clear the "open for writing" flags a killed writer left in the superblock (what ``h5clear -s`` does),
-    after checking that the writer that set them is not alive on this host."""
+def clear_stale_write_flags(path: Path, taken_from_pid: int | None = None) -> None:
+    """Clear the "open for writing" flags a killed writer left in the superblock (what ``h5clear -s`` does).
+    Called with the writer lease held; as a second check, refuses if the ``writer`` attribute names a live
+    process on this host, unless it is ``taken_from_pid``, the holder of the stale lease we took over."""
     block = read_superblock(path)
     if block is None or block.flags == 0:
         return
-    _refuse_live_writer(path)
+    _refuse_live_writer(path, taken_from_pid)
     log.warning("%s: the last writer did not close it (killed?); clearing its write flags", path)
     fixed = block.head[:11] + b"\x00" + block.head[12:]
     with open(path, "rb+") as handle:
@@ -286,13 +287,13 @@ def clear_stale_write_flags(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _refuse_live_writer(path: Path) -> None:
+def _refuse_live_writer(path: Path, taken_from_pid: int | None) -> None:
     try:
         with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as handle:
             owner = json.loads(str(handle.attrs.get("writer", "{}")))
     except (OSError, ValueError):
         return  # not readable (killed before SWMR started): nobody can be writing it through SWMR either
-    if owner.get("host") != socket.gethostname() or owner.get("pid") in (None, os.getpid()):
+    if owner.get("host") != socket.gethostname() or owner.get("pid") in (None, os.getpid(), taken_from_pid):
         return
     try:
         os.kill(int(owner["pid"]), 0)
@@ -301,7 +302,8 @@ def _refuse_live_writer(path: Path) -> None:
     except PermissionError:
         pass
     raise StoreError(
-        f"{path}: process {owner['pid']} on this host still has it open for writing; one writer per store"
+        f"{path}: process {owner['pid']} on this host still has it open for writing, without holding the "
+        "writer lease; one writer per store: stop it first"
     )
 
 

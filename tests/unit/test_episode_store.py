@@ -1,4 +1,5 @@
-"""The server store on real HDF5 files: round trips, random access, concurrent readers, crashes, bad files."""
+"""The server store on real HDF5 files: round trips, random access, concurrent readers, crashes, bad files,
+and the writer lease around real writer processes (the lease alone: test_lease.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -25,6 +28,7 @@ from ajet_hpc.storage.episode_store import (
     StepRecord,
     StoreError,
 )
+from ajet_hpc.storage.lease import LeaseTiming, lease_path, read_lease
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, DriftEvent, Timeline
 
 HERE = Path(__file__).resolve().parent
@@ -256,9 +260,10 @@ def poll_reader(path: str, expect: int) -> None:
     print(json.dumps(seen), flush=True)
 
 
-def _python(code: str) -> subprocess.Popen:
+def _python(code: str, stdin: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); {code}"],
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -299,6 +304,8 @@ def test_killed_writer_recovers_to_its_last_commit(tmp_path: Path) -> None:
     assert proc.stdout is not None
     lines = [proc.stdout.readline() for _ in range(15)]
     assert lines[-1].strip() == "14", proc.stderr.read() if proc.stderr else ""
+    lease = read_lease(path)
+    assert lease is not None and (lease.host, lease.pid) == (socket.gethostname(), proc.pid)
     time.sleep(random.Random().uniform(0, 0.02))  # somewhere inside an append
     os.kill(proc.pid, signal.SIGKILL)
     printed = [int(x) for x in lines + proc.stdout.read().split()]
@@ -311,7 +318,9 @@ def test_killed_writer_recovers_to_its_last_commit(tmp_path: Path) -> None:
         for i in (0, committed - 2, committed - 1):
             assert reader.episode(f"ep-{i}") == make_record(i, answer=300, tool=400)
     with EpisodeWriter(path, chunk_tokens=512) as writer:  # clears the flags, shrinks to the commit
+        assert read_lease(path) == writer.lease and writer.lease.pid == os.getpid()  # the dead pid's, taken
         writer.append_episode(make_record(committed))
+    assert read_lease(path) is None
     with EpisodeReader(path) as reader:
         assert len(reader) == committed + 1
         assert reader.episode(f"ep-{committed}") == make_record(committed)
@@ -436,25 +445,29 @@ def test_one_writer_per_store(tmp_path: Path) -> None:
     EpisodeWriter(path).close()  # closed: free again
 
 
-def hold_open(path: str) -> None:
-    """Run in a second process: keep the store open for writing until stdin closes."""
-    with EpisodeWriter(Path(path)) as writer:
+def hold_open(path: str, heartbeat_s: float = 5.0, timeout_s: float = 20.0) -> None:
+    """Run in a second process: hold the store open for writing; for each line ``i`` on stdin append
+    episode ``i`` and answer "ok" or the error; close at the end of stdin."""
+    timing = LeaseTiming(heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+    with EpisodeWriter(Path(path), lease_timing=timing) as writer:
         writer.append_episode(make_record(0))
         print("open", flush=True)
-        sys.stdin.read()
+        for line in sys.stdin:
+            try:
+                writer.append_episode(make_record(int(line)))
+                print("ok", flush=True)
+            except StoreError as exc:
+                print(f"error: {exc}", flush=True)
 
 
 def test_a_live_writer_in_another_process_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s.h5"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-         f"from test_episode_store import hold_open; hold_open({str(path)!r})"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _python(f"from test_episode_store import hold_open; hold_open({str(path)!r})", subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+        host = socket.gethostname()
         with pytest.raises(
-            StoreError, match=rf"process {proc.pid} on this host still has it open for writing"
+            StoreError, match=rf"another process writes this store \(host {host}, pid {proc.pid}"
         ):
             EpisodeWriter(path)
         with EpisodeReader(path) as reader:  # readers are welcome
@@ -462,3 +475,84 @@ def test_a_live_writer_in_another_process_is_refused(tmp_path: Path) -> None:
     finally:
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_the_writer_holds_the_lease_while_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "s.h5"
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    with EpisodeWriter(path) as writer:
+        lease = read_lease(path)
+        assert lease is not None and lease == writer.lease
+        assert (lease.host, lease.pid, lease.job_id) == (socket.gethostname(), os.getpid(), "1234")
+    assert read_lease(path) is None and not lease_path(path).exists()
+
+
+def test_a_fresh_lease_of_another_host_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    now = time.time()
+    # Faked: a writer on another node (one test machine is one host); its lease as that writer writes it.
+    lease_path(path).write_text(json.dumps({
+        "host": "node-b.cluster", "pid": 4242, "job_id": "777", "restarts": 0, "token": "0123456789abcdef",
+        "started_at": now - 600, "heartbeat_at": now - 2, "heartbeat_s": 5.0, "timeout_s": 20.0,
+    }))  # fmt: skip
+    with pytest.raises(
+        StoreError, match=r"host node-b\.cluster, pid 4242, Slurm job 777, last heartbeat \d+\.\d s ago"
+    ):
+        EpisodeWriter(path)
+    assert not path.exists()  # refused before the store was created
+
+
+def test_a_writer_stops_when_its_lease_is_taken(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    writer = EpisodeWriter(path, lease_timing=LeaseTiming(heartbeat_s=0.05, timeout_s=0.5))
+    writer.append_episode(make_record(0))
+    # Faked: a writer on another node took the lease over (as it would after this one stopped beating).
+    other = replace(writer.lease, host="node-b.cluster", pid=4242, token="0123456789abcdef")
+    lease_path(path).write_bytes(other.to_bytes())
+    deadline = time.monotonic() + 30
+    while not writer.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.closed
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=r"lost its lease .* now names host node-b\.cluster, pid 4242"):
+        writer.append_episode(make_record(1))
+    writer.close()
+    assert path.read_bytes() == before  # closed without writing: the file belongs to the other writer
+    assert read_lease(path) == other
+    lease_path(path).unlink()
+    with EpisodeReader(path) as reader:
+        assert [s["episode_id"] for s in reader.summaries()] == ["ep-0"]
+
+
+def test_a_frozen_writer_taken_over_writes_nothing_more(tmp_path: Path) -> None:
+    """A writer process frozen (SIGSTOP) past its lease timeout is taken over by a second writer; woken up,
+    it refuses to append and exits without touching the file, and the second writer's data is whole."""
+    path = tmp_path / "s.h5"
+    code = f"from test_episode_store import hold_open; hold_open({str(path)!r}, 0.1, 0.6)"
+    proc = _python(code, subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        os.kill(proc.pid, signal.SIGSTOP)
+        while (lease := read_lease(path)) is not None and lease.age() <= lease.timeout_s:
+            time.sleep(0.05)  # until its lease is stale by its own timeout
+        with EpisodeWriter(path, lease_timing=LeaseTiming(settle_s=0.05)) as writer:
+            writer.append_episode(make_record(1))
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.stdin.write("2\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline()
+            me = f"host {socket.gethostname()}, pid {os.getpid()}"
+            assert answer.startswith("error: ") and "lost its lease" in answer and me in answer, answer
+            proc.communicate(timeout=60)  # the frozen writer closes and exits while this one writes
+            assert proc.returncode == 0
+            writer.append_episode(make_record(3))
+            assert read_lease(path) == writer.lease
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.communicate(timeout=60)
+    assert read_lease(path) is None
+    with EpisodeReader(path) as reader:
+        assert [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-1", "ep-3"]
+        assert [reader.episode(f"ep-{i}") for i in (0, 1, 3)] == [make_record(i) for i in (0, 1, 3)]
