@@ -1,98 +1,218 @@
-"""A short check of the server path on a CUDA GPU (run by hand on a GPU machine; CI has none).
+"""The GPU path in one short run (by hand on a GPU machine; CI has none): engine and DeepSpeed ZeRO-3
+trainer colocated on one GPU, a Qwen2.5-0.5B-shaped model with random weights built from a config written
+here (tied embeddings, bf16; no download), GRPO steps with the weight sync of the real server, and the
+engine's logprobs after each sync against a transformers forward of the trained weights.
 
-The built-in tiny model behind the real app with the transformers engine (bf16 on CUDA, as `dtype: auto`
-picks), driven with the real openai client: chat with and without streaming, token recording, logprobs
-against a bf16 re-scoring, 64 concurrent episodes. Prints one line per check and ends with
-``GPU_CHECK ok`` or raises.
+The engine is vLLM (CUDA build) with sleep mode when it imports, as a colocated server runs it; where vLLM
+is missing (a machine that cannot install its CUDA wheel) the transformers engine takes its place and the
+RESULT line says ``engine=transformers`` (then ``wake_s`` is 0: nothing sleeps). The trainer's ranks are
+started by the server's own launcher code with the colocate placement (one rank bound to the GPU through
+``AJET_RANK_GPUS``), and talk to this process through the same file protocol.
 
-    python tools/gpu_check.py
+    make install && .venv/bin/python tools/gpu_check.py        # ends with RESULT gpu_ok=1 ...
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import random
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from server_harness import Harness
-
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.launch.placement import cpu_placement, plan_placement
+from ajet_hpc.trainer.launch import start_ranks
+from ajet_hpc.trainer.protocol import TrainerChannel
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
 
 
-def main() -> None:
-    if "--allow-cpu" not in sys.argv:  # --allow-cpu: a dry run of this script on a machine without a GPU
-        assert torch.cuda.is_available(), "no CUDA device"
-        print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
-    model = resolve_model("builtin:tiny", Path(tempfile.mkdtemp()))
+def build_model(dest: Path, layers: int) -> Path:
+    """A random Qwen2.5-0.5B-shaped model (``layers`` of its 24) with the built-in tiny tokenizer's files
+    (token ids below 104, inside the vocabulary), saved in bf16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**QWEN25_05B, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    tiny = resolve_model("builtin:tiny", dest.parent / "builtin")
+    for extra in [*tiny.glob("tokenizer*"), tiny / "chat_template.jinja"]:
+        (dest / extra.name).write_bytes(extra.read_bytes())
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: Qwen2-shaped, {layers} layers, {params / 1e6:.0f}M parameters, tied embeddings, bf16")
+    return dest
+
+
+def make_engine(model: Path, use_vllm: bool):
+    if use_vllm:
+        from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
+
+        on_gpu = torch.cuda.is_available()
+        settings = VllmSettings(
+            dtype="bfloat16" if on_gpu else "float32",
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
+            enable_sleep_mode=on_gpu,
+        )
+        return VllmEngine(model, settings)
+    from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
+
+    return TransformersEngine(model, TransformersSettings(max_model_len=512))
+
+
+def score(folder: Path, prompt: list[int], response: list[int], device: str) -> list[float]:
+    """Each response token's logprob under a fresh transformers load of ``folder`` (bf16 on CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response], device=device)).logits[0].float()
+    table = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return table.gather(1, torch.tensor(response, device=device)[:, None])[:, 0].tolist()
+
+
+async def rollouts(engine, prompt: list[int], group: int, version: int) -> list[Sample]:
+    params = SamplingParams(max_tokens=24, temperature=1.0)
+    outs = [await generate_all(engine, prompt, params, f"v{version}-{i}") for i in range(group)]
+    rewards = [random.random() for _ in outs]
+    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards) or 1.0
+    samples = []
+    for i, (out, reward) in enumerate(zip(outs, rewards, strict=True)):
+        n = len(prompt) + len(out.token_ids)
+        mask = [0] * len(prompt) + [1] * len(out.token_ids)
+        advantage = (reward - mean) / std
+        samples.append(
+            Sample(
+                token_ids=prompt + out.token_ids,
+                loss_mask=mask,
+                old_logprobs=[0.0] * len(prompt) + list(out.logprobs),
+                advantages=[advantage * m for m in mask],
+                policy_version=version,
+                episode_id=f"e{version}-{i}",
+                task_id="t",
+            )
+        )
+        assert len(samples[-1].token_ids) == n
+    return samples
+
+
+async def check(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="ajet-gpu-check-"))
+    model = build_model(work / "model", args.layers)
+    use_vllm, why = vllm_available()
+    print(f"engine: {'vllm' if use_vllm else 'transformers'} ({why})")
+    engine = make_engine(model, use_vllm)
     started = time.monotonic()
-    harness = Harness("transformers", model)
-    server = harness.serve()
-    engine_model = harness.engine._model  # the engine's own weights, for the re-scoring below
-    print(
-        f"engine up in {time.monotonic() - started:.1f}s on {engine_model.device}, dtype {engine_model.dtype}"
+    await engine.start()
+    print(f"engine up in {time.monotonic() - started:.1f} s")
+    config = TrainerConfig(zero_stage=3, ranks=1, lr=1e-4, total_steps=args.steps, save_every=10**6)
+    if args.cpu:  # a smoke test of this script where there is no GPU
+        placement = cpu_placement(1)
+    else:
+        placement = plan_placement(nodes=1, gpus_per_node=1, mode="colocate", engine_gpus=1, cpu_ranks=1)
+    log_path = work / "ranks.log"
+    process = start_ranks(
+        work / "trainer", model, config, on_slurm=False, placement=placement, log_path=log_path
     )
+    channel = TrainerChannel(work / "trainer", alive=lambda: process.poll() is None, log_path=log_path)
+    figures: dict[str, list[float]] = {"step_s": [], "sync_s": [], "wake_s": [], "sleep_s": [], "maxdiff": []}
     try:
-        begun = server.begin(task_id="gpu")
-        client = openai.OpenAI(base_url=begun["base_url"], api_key=begun["api_key"], max_retries=0)
-        messages = [{"role": "user", "content": "2+3="}]
-        first = client.chat.completions.create(
-            model="policy", messages=messages, max_tokens=16, temperature=0
+        ready = await channel.wait_ready(timeout_s=600)
+        print(f"trainer ready: {json.dumps(ready)}")
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "2+3="}], add_generation_prompt=True, return_dict=False
         )
-        messages += [
-            first.choices[0].message.model_dump(exclude_none=True),
-            {"role": "user", "content": "again"},
-        ]
-        stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=16, stream=True)
-        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        record = server.episode(begun["episode_id"])
-        timelines = record["timelines"]
-        assert len(timelines) == 2 and timelines[1]["reused_spans"], record
-        print("chat + streaming: ok;", repr(first.choices[0].message.content), repr(streamed))
-        ids = torch.tensor(
-            [timelines[0]["prompt_ids"] + timelines[0]["response_ids"]], device=engine_model.device
-        )
-        with torch.no_grad():
-            logp = torch.log_softmax(engine_model(ids).logits[0, :-1].float(), -1)
-        start = len(timelines[0]["prompt_ids"])
-        expected = logp[start - 1 :].gather(1, ids[0, start:, None])[:, 0].cpu()
-        got = torch.tensor(timelines[0]["response_logprobs"])
-        gap = (got - expected).abs().max().item()
-        assert gap < 5e-2, gap
-        print(f"logprobs vs bf16 re-scoring: max gap {gap:.2e}")
-
-        async def one(http: httpx.AsyncClient, index: int) -> None:
-            b = (await http.post("/v1/episodes", json={"task_id": str(index)}, headers=server.admin)).json()
-            body = {"model": "policy", "messages": [{"role": "user", "content": f"{index}"}], "max_tokens": 8}
-            reply = await http.post(
-                f"{b['base_url']}/chat/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {b['api_key']}"},
+        for step in range(1, args.steps + 1):
+            samples = await rollouts(engine, prompt, args.group, step - 1)
+            figures["sleep_s"].append(await engine.sleep())
+            began = time.monotonic()
+            channel.submit(step, samples)
+            result = await channel.wait_result(step, timeout_s=600)
+            figures["step_s"].append(time.monotonic() - began)
+            began = time.monotonic()
+            figures["wake_s"].append(await engine.wake_up())
+            await engine.load_weights(Path(result["weights_dir"]), step)
+            figures["sync_s"].append(time.monotonic() - began)
+            out = await generate_all(
+                engine, prompt, SamplingParams(max_tokens=16, temperature=0.0), f"g{step}"
             )
-            reply.raise_for_status()
-            ended = await http.post(
-                f"/v1/episodes/{b['episode_id']}/end", json={"reward": 1.0}, headers=server.admin
+            reference = score(
+                Path(result["weights_dir"]), prompt, out.token_ids, "cpu" if args.cpu else "cuda"
             )
-            ended.raise_for_status()
-
-        async def many() -> None:
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-                await asyncio.gather(*(one(http, i) for i in range(64)))
-
-        started = time.monotonic()
-        asyncio.run(many())
-        print(f"64 concurrent episodes: ok in {time.monotonic() - started:.1f}s; status {server.status()}")
+            diff = max(abs(a - b) for a, b in zip(out.logprobs, reference, strict=True))
+            figures["maxdiff"].append(diff)
+            print(
+                f"step {step}: loss {result['loss']:.4f}, trainer {figures['step_s'][-1]:.2f} s "
+                f"(export {result.get('export_time_s')} s), sync {figures['sync_s'][-1]:.2f} s, "
+                f"wake {figures['wake_s'][-1]:.2f} s, engine-vs-trained logprob maxdiff {diff:.4f}"
+            )
+        channel.request_stop()
+        process.wait(timeout=120)
     finally:
-        harness.close()
-    print("GPU_CHECK ok")
+        if process.poll() is None:
+            process.kill()
+        await engine.stop()
+    return {
+        "engine": "vllm" if use_vllm else "transformers",
+        "step_s": statistics.median(figures["step_s"]),
+        "sync_s": statistics.median(figures["sync_s"]),
+        "wake_s": statistics.median(figures["wake_s"]),
+        "logprob_maxdiff": max(figures["maxdiff"]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--group", type=int, default=8, help="rollouts per step")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="bf16 logprob agreement bound")
+    parser.add_argument("--cpu", action="store_true", help="smoke-test this script on the CPU")
+    args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        print("no CUDA device: this check needs a GPU", file=sys.stderr)
+        return 2
+    print("device:", "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch", torch.__version__)
+    random.seed(0)
+    result = asyncio.run(check(args))
+    ok = result["logprob_maxdiff"] <= args.tolerance
+    print(
+        f"RESULT gpu_ok={int(ok)} engine={result['engine']} step_s={result['step_s']:.3f} "
+        f"sync_s={result['sync_s']:.3f} wake_s={result['wake_s']:.3f} "
+        f"logprob_maxdiff={result['logprob_maxdiff']:.4f}"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
