@@ -1,5 +1,6 @@
-"""A server allocation of two nodes: the HTTP front and engine on the first, one trainer rank per node
-started with srun, DeepSpeed over gloo across the nodes (the dev cluster's nodes share one host)."""
+"""A server allocation of two nodes: exactly one server (HTTP front, engine, rendezvous, episode store) on the
+first node's first task, one trainer rank per node started with srun, DeepSpeed over gloo across the nodes
+(the dev cluster's nodes share one host, so the test reads every process of the job from /proc)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from support import run_module, topology_dict, wait_until, write_topology
 
 from ajet_hpc.launch import slurmcli
+from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage.lease import read_lease
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
@@ -34,14 +38,23 @@ def test_trainer_ranks_span_the_nodes_of_the_server_allocation(tmp_path: Path) -
     client.update(max_tasks=None, repeats=None, time="20:00", in_flight=2)
     done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, data)))
     assert done.returncode == 0, done.stderr + done.stdout
-    jobs = [entry["job_id"] for entry in json.loads((run / "jobs.json").read_text())]
+    entries = json.loads((run / "jobs.json").read_text())
+    jobs = [entry["job_id"] for entry in entries]
+    server_job = next(e["job_id"] for e in entries if e["name"] == "server-policy")
+    seen: dict[int, dict] = {}  # every process of the server job, by pid
+
+    def finished() -> bool:
+        for pid, now in job_processes(server_job, run).items():
+            before = seen.get(pid)
+            if before is not None:  # keep what an earlier look saw (the server closes its port and lease)
+                now["server"] = now["server"] or before["server"]
+                now["listening"] = sorted(set(now["listening"]) | set(before["listening"]))
+                now["lease_pid"] = now["lease_pid"] or before["lease_pid"]
+            seen[pid] = now
+        return all(s.state not in slurmcli.ACTIVE_STATES for s in slurmcli.job_states(jobs))
+
     try:
-        wait_until(
-            lambda: all(s.state not in slurmcli.ACTIVE_STATES for s in slurmcli.job_states(jobs)),
-            600,
-            "the run to finish",
-            poll_s=2,
-        )
+        wait_until(finished, 600, "the run to finish", poll_s=1)
     finally:
         subprocess.run(["scancel", *jobs], check=False, capture_output=True)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -50,6 +63,49 @@ def test_trainer_ranks_span_the_nodes_of_the_server_allocation(tmp_path: Path) -
     ready = json.loads((work / "ready.json").read_text())
     assert ready["world_size"] == 2
     ranks_log = (work / "ranks.log").read_text()
-    assert "$ srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in ranks_log
-    nodes = {line.split("on node ")[1].split()[0] for line in ranks_log.splitlines() if "on node " in line}
-    assert len(nodes) == 2, ranks_log[-3000:]
+    assert "$ srun --nodes=2 --ntasks=2 --distribution=arbitrary" in ranks_log
+    assert len(set((work / "hostfile").read_text().split())) == 2  # one rank line per node
+
+    # the processes: one server, ranks on both nodes
+    servers = [p for p in seen.values() if p["server"]]
+    assert len(servers) == 1, seen
+    (server,) = servers
+    assert (server["procid"], server["nodeid"]) == ("0", "0")
+    rank_nodes = {p["node"] for p in seen.values() if p["rank"]}
+    assert len(rank_nodes) == 2, seen
+    # one rendezvous writer and one writer of data/policy.h5: the server process
+    record = rendezvous.read(run / "servers" / "policy.json")
+    assert record is not None and record.pid == server["pid"] and record.node == server["node"]
+    assert server["listening"] == [record.port]
+    assert not any(p["listening"] for p in seen.values() if p["pid"] != server["pid"]), seen
+    assert server["lease_pid"] == server["pid"]
+
+
+def job_processes(job_id: str, run_dir: Path) -> dict[int, dict]:
+    """The live processes of a Slurm job on this host, from their environment: which task and node each is,
+    whether it is the server (``ajet_hpc.server`` through submitit) or a trainer rank, its listening ports
+    and, for the server, the pid named by the episode store's writer lease."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            env = proc.environ()
+            if env.get("SLURM_JOB_ID") != job_id:
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            is_rank = "ajet_hpc.trainer.worker" in cmdline and "torch.distributed" not in cmdline
+            ports = sorted({c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN"})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        is_server = "submitit.core._submit" in cmdline and bool(ports)
+        lease = read_lease(run_dir / "data" / "policy.h5") if is_server else None
+        found[proc.pid] = {
+            "pid": proc.pid,
+            "procid": env.get("SLURM_PROCID"),
+            "nodeid": env.get("SLURM_NODEID"),
+            "node": env.get("SLURMD_NODENAME"),
+            "server": is_server,
+            "rank": is_rank,
+            "listening": ports if not is_rank else [],
+            "lease_pid": lease.pid if lease is not None else None,
+        }
+    return found
