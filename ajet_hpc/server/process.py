@@ -142,13 +142,16 @@ def is_server_process(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def engine_settings(config: ServerConfig, placement: Placement) -> dict:
-    """The engine's settings from the server's fields (those the chosen engine lacks are dropped)."""
+    """The engine's settings from the server's fields: the ``vllm`` block unless the engine is transformers
+    (with ``engine: auto`` the engine picked drops what it lacks)."""
     vllm = config.vllm
+    common = {"max_model_len": config.serving.max_model_len, "dtype": vllm.dtype}
+    if config.engine == "transformers":
+        return common
     return {
-        "max_model_len": config.serving.max_model_len,
+        **common,
         "gpu_memory_utilization": vllm.gpu_memory_utilization,
         "max_num_seqs": vllm.max_num_seqs,
-        "dtype": vllm.dtype,
         "enable_prefix_caching": vllm.enable_prefix_caching,
         "enforce_eager": vllm.enforce_eager,
         "tensor_parallel_size": placement.tensor_parallel,

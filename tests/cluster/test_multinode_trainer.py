@@ -67,8 +67,10 @@ def test_trainer_ranks_span_the_nodes_of_the_server_allocation(tmp_path: Path) -
     assert len(set((work / "hostfile").read_text().split())) == 2  # one rank line per node
 
     # the processes: one server, ranks on both nodes
-    servers = [p for p in seen.values() if p["server"]]
-    assert len(servers) == 1, seen
+    # (a server's own children, forked with its listening socket, belong to it: count process trees)
+    server_pids = {p["pid"] for p in seen.values() if p["server"]}
+    servers = [p for p in seen.values() if p["server"] and p["ppid"] not in server_pids]
+    assert len(servers) == 1, servers
     (server,) = servers
     assert (server["procid"], server["nodeid"]) == ("0", "0")
     rank_nodes = {p["node"] for p in seen.values() if p["rank"]}
@@ -77,7 +79,9 @@ def test_trainer_ranks_span_the_nodes_of_the_server_allocation(tmp_path: Path) -
     record = rendezvous.read(run / "servers" / "policy.json")
     assert record is not None and record.pid == server["pid"] and record.node == server["node"]
     assert server["listening"] == [record.port]
-    assert not any(p["listening"] for p in seen.values() if p["pid"] != server["pid"]), seen
+    # no other python process of the job listens (srun's own I/O ports are not ours)
+    others = [p for p in seen.values() if p["python"] and server["pid"] not in (p["pid"], p["ppid"])]
+    assert not any(p["listening"] and not p["rank"] for p in others), others
     assert server["lease_pid"] == server["pid"]
 
 
@@ -96,13 +100,17 @@ def job_processes(job_id: str, run_dir: Path) -> dict[int, dict]:
             ports = sorted({c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN"})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        is_server = "submitit.core._submit" in cmdline and bool(ports)
+        is_python = "python" in Path((proc.info["cmdline"] or [""])[0]).name  # not srun's own process
+        is_server = is_python and "submitit.core._submit" in cmdline and bool(ports)
         lease = read_lease(run_dir / "data" / "policy.h5") if is_server else None
         found[proc.pid] = {
             "pid": proc.pid,
+            "ppid": proc.ppid(),
+            "cmd": cmdline[:160],
             "procid": env.get("SLURM_PROCID"),
             "nodeid": env.get("SLURM_NODEID"),
             "node": env.get("SLURMD_NODENAME"),
+            "python": is_python,
             "server": is_server,
             "rank": is_rank,
             "listening": ports if not is_rank else [],
