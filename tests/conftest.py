@@ -29,3 +29,11 @@ def slurm() -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI=true and {reason}: a skipped Slurm test would hide the real-cluster check")
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_tokenizer():
+    """The tokenizer of ``builtin:tiny-qwen`` (Qwen2.5's vocabulary), built once per session (~5 s)."""
+    from ajet_hpc.engine.tiny_qwen import build_tokenizer
+
+    return build_tokenizer()

@@ -84,16 +84,19 @@ def build_scripted_model(base: Path, dest: Path, max_steps: int = 600) -> Path:
     inputs = torch.tensor([ids])
     targets = torch.tensor(ids[1:])
     weight = torch.tensor(mask[1:], dtype=torch.bool)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # Fused AdamW and logits only where the answers are: with tiny-qwen's 151,936-row vocabulary these make
+    # a step about 2x cheaper (about 110 steps, 30 s on 2 cores; the character-level tiny model takes 3 s).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     torch.manual_seed(0)
     for _ in range(max_steps):
-        logits = model(inputs).logits[0, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[weight], targets[weight])
+        hidden = model.model(inputs).last_hidden_state[0, :-1]
+        logits = model.lm_head(hidden[weight])
+        loss = torch.nn.functional.cross_entropy(logits, targets[weight])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         with torch.no_grad():
-            margin_ok = (logits[weight].argmax(-1) == targets[weight]).all() and loss.item() < 0.01
+            margin_ok = (logits.argmax(-1) == targets[weight]).all() and loss.item() < 0.01
         if margin_ok:
             break
     else:

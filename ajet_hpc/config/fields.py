@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny",)
+BUILTIN_MODELS = ("tiny", "tiny-qwen")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _IDENT = r"[^\W\d]\w*"

@@ -1,34 +1,71 @@
-"""Model specs (``builtin:tiny`` or a local folder) to a folder both engines load. Never downloads."""
+"""Model specs (``builtin:tiny``, ``builtin:tiny-qwen`` or a local folder) to a folder both engines load.
+Never downloads."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ajet_hpc.engine.base import EngineError
 
 BUILTIN_PREFIX = "builtin:"
-BUILTINS = ("tiny",)
+BUILTINS = ("tiny", "tiny-qwen")
+
+
+def _build_builtin(name: str, dest: Path) -> Path:
+    if name == "tiny":
+        from ajet_hpc.engine.tiny import build_tiny_model
+
+        return build_tiny_model(dest)
+    from ajet_hpc.engine.tiny_qwen import build_tiny_qwen_model
+
+    return build_tiny_qwen_model(dest)
 
 
 def resolve_model(spec: str, cache_dir: Path) -> Path:
-    """The folder of the model ``spec`` names: ``builtin:tiny`` is built under ``cache_dir/tiny`` on first
-    use; any other spec is a local folder written by ``save_pretrained`` (it must hold config.json)."""
+    """The folder of the model ``spec`` names: a built-in (``builtin:tiny``, ``builtin:tiny-qwen``) is built
+    under ``cache_dir/<name>`` on first use; any other spec is a local folder written by
+    ``save_pretrained`` (it must hold config.json)."""
     if spec.startswith(BUILTIN_PREFIX):
         name = spec.removeprefix(BUILTIN_PREFIX)
-        if name != "tiny":
-            raise EngineError(f"unknown built-in model {spec!r}: the built-ins are {BUILTINS}")
-        from ajet_hpc.engine.tiny import build_tiny_model
-
-        return build_tiny_model(Path(cache_dir) / "tiny")
+        if name not in BUILTINS:
+            raise EngineError(f"unknown built-in model {spec!r}: the built-ins are {_builtin_specs()}")
+        return _build_builtin(name, Path(cache_dir) / name)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         what = "is not a folder" if not path.is_dir() else "has no config.json"
         raise EngineError(
             f"model {spec!r}: {path} {what}; give a local folder written by save_pretrained "
-            f"(models are never downloaded) or 'builtin:tiny'"
+            f"(models are never downloaded) or one of {_builtin_specs()}"
         )
     return path.resolve()
+
+
+def _builtin_specs() -> str:
+    return ", ".join(f"'{BUILTIN_PREFIX}{name}'" for name in BUILTINS)
+
+
+def write_model_folder(dest: Path, write: Callable[[Path], None]) -> Path:
+    """Fill ``dest`` with ``write(folder)`` unless it already holds a model (config.json). The folder is
+    written as a temporary sibling and renamed, so a crash never leaves half a model; when two processes
+    race, the first rename wins and the other's copy is dropped."""
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process won the race: keep theirs
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def offline_hub() -> None:

@@ -85,13 +85,17 @@ def flat_loss(samples: list[Sample], model, normalizer: float) -> tuple[torch.Te
     return loss, trained
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    ("builtin", "attention"), [("tiny_model", "sdpa"), ("tiny_model", "eager"), ("tiny_qwen_model", "sdpa")]
+)
 def test_linear_and_tree_merging_give_the_loss_logprobs_and_gradients_of_separate_calls(
-    tiny_model: Path, attention: str
+    request: pytest.FixtureRequest, builtin: str, attention: str
 ) -> None:
+    """On the Llama of builtin:tiny and on the Qwen2 of tiny-qwen (attention biases, tied embeddings, a
+    151,936-row vocabulary; sdpa only: the attention code is the same as the Llama's)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(
-        tiny_model, dtype=torch.float32, attn_implementation=attention
+        request.getfixturevalue(builtin), dtype=torch.float32, attn_implementation=attention
     )
     model.train(False)
     per_call = calls(model.config.vocab_size)

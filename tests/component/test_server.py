@@ -1,7 +1,8 @@
 """The server against real engines on the tiny model: the openai client, raw HTTP, recording, auth, errors.
 
 The model is the tiny one taught a five-call calculator conversation (tests/scripted_model.py), so greedy
-decoding really emits tool calls; nothing here mocks an engine.
+decoding really emits tool calls; nothing here mocks an engine. The recorded conversation also runs on
+tiny-qwen (Qwen2.5's byte-level BPE vocabulary and chat format, tied embeddings).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import asyncio
 import itertools
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 from scripted_model import SCRIPT, SYSTEM, TOOLS
-from server_harness import SECRET
+from server_harness import SECRET, RunningServer
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.server.auth import issue_episode_token
@@ -25,9 +27,16 @@ from ajet_hpc.tracking.timeline import MODEL
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(params=["transformers", "vllm"])
-def server(request: pytest.FixtureRequest):
-    return request.getfixturevalue("hf_server" if request.param == "transformers" else "vllm_server")
+SERVED = [("transformers", "tiny"), ("vllm", "tiny"), ("transformers", "tiny-qwen"), ("vllm", "tiny-qwen")]
+
+
+@pytest.fixture(params=SERVED, ids=[f"{engine}-{model}" for engine, model in SERVED])
+def scripted_server(request: pytest.FixtureRequest) -> tuple[RunningServer, Path]:
+    """A server on each engine and built-in model, and the scripted model it serves."""
+    engine, model = request.param
+    prefix = "qwen_" if model == "tiny-qwen" else ""
+    server = request.getfixturevalue(f"{prefix}{'hf' if engine == 'transformers' else 'vllm'}_server")
+    return server, request.getfixturevalue("scripted_qwen_model" if prefix else "scripted_model")
 
 
 def _reply_matches(message, expected: dict) -> None:
@@ -89,8 +98,9 @@ def rescore(model_path, timeline: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
 def test_five_turn_tool_conversation_is_recorded_token_for_token(
-    server, scripted_model, stream: bool
+    scripted_server: tuple[RunningServer, Path], stream: bool
 ) -> None:
+    server, scripted_model = scripted_server
     episode_id, replies = run_script(server, stream)
     assert server.end(episode_id, 1.0, turn_rewards=[0, 0.5, 0, 0.5, 1]).status_code == 200
     record = server.episode(episode_id)

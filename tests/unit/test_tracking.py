@@ -1,4 +1,6 @@
-"""Context tracking on the tiny tokenizer: recorded answers reused token for token, drift, authors."""
+"""Context tracking on the tiny tokenizer: recorded answers reused token for token, drift, authors.
+
+The tests marked ``ON_BOTH`` also run on tiny-qwen's tokenizer (Qwen2.5's byte-level BPE and chat format)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,14 @@ from ajet_hpc.tracking import MODEL, SYSTEM, TOOL, USER, ContextTracker, DriftEv
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
+ON_BOTH = pytest.mark.parametrize("tokenizer", ["tiny", "tiny-qwen"], indirect=True)
+
+
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(request: pytest.FixtureRequest):
+    """The tiny tokenizer, or tiny-qwen's for the tests parametrized with ``ON_BOTH``."""
+    if getattr(request, "param", "tiny") == "tiny-qwen":
+        return request.getfixturevalue("tiny_qwen_tokenizer")
     return build_tokenizer()
 
 
@@ -24,6 +32,17 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def call(name: str, arguments: str, call_id: str = "call_1") -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def sampled_text(tokenizer, reply: dict[str, Any]) -> str:
+    """What a model sampled to get ``reply``: the template's rendering of the assistant turn after the
+    generation prompt, stop token included (tool calls in the tokenizer's own format)."""
+    question = [{"role": "user", "content": "?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        [*question, {"role": "assistant", **reply}], tools=TOOLS, tokenize=False
+    )
+    return full[len(prompt) :].rstrip("\n")
 
 
 def serve(
@@ -50,25 +69,24 @@ def author_runs(tokenizer, ids: list[int], authors: list[int]) -> list[tuple[int
     return [(author, tokenizer.decode(tokens)) for author, tokens in runs]
 
 
+@ON_BOTH
 def test_five_calls_with_tools_reuse_every_answer_verbatim(tokenizer) -> None:
     tracker = ContextTracker(tokenizer)
-    weather = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
-    rome = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call><|im_end|>'
-    turns = [  # (answer as sampled, reply message returned to the agent, what the agent adds next)
-        (weather, {"content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}, "tool:sunny"),
-        ("It is sunny.<|im_end|>", {"content": "It is sunny."}, "user:And Rome?"),
+    turns = [  # (reply message returned to the agent, what the agent adds next)
+        ({"content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}, "tool:sunny"),
+        ({"content": "It is sunny."}, "user:And Rome?"),
         (
-            rome,
             {"content": "Checking.", "tool_calls": [call("get_weather", '{"city": "Rome"}', "c2")]},
             "tool:rain",
         ),
-        ("Rainy in Rome.<|im_end|>", {"content": "Rainy in Rome."}, "user:Thanks!"),
-        ("You're welcome.<|im_end|>", {"content": "You're welcome."}, None),
+        ({"content": "Rainy in Rome."}, "user:Thanks!"),
+        ({"content": "You're welcome."}, None),
     ]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
     previous: Timeline | None = None
     responses = []
-    for sampled, reply, then in turns:
+    for reply, then in turns:
+        sampled = sampled_text(tokenizer, reply)
         plan, timeline = serve(
             tracker, messages, {"role": "assistant", **reply}, encode(tokenizer, sampled), TOOLS
         )
@@ -92,6 +110,7 @@ def test_five_calls_with_tools_reuse_every_answer_verbatim(tokenizer) -> None:
     assert len(tracker.timelines) == 5 and tracker.drift_counts() == {}
 
 
+@ON_BOTH
 def test_first_prompt_is_the_templates_own_tokenization(tokenizer) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     plan = ContextTracker(tokenizer).build_prompt(messages, TOOLS)
@@ -103,6 +122,7 @@ def test_first_prompt_is_the_templates_own_tokenization(tokenizer) -> None:
     assert (plan.reused_spans, plan.drift) == ([], [])
 
 
+@ON_BOTH
 def test_authors_per_token(tokenizer) -> None:
     tracker = ContextTracker(tokenizer)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -139,13 +159,15 @@ def test_tool_preamble_is_system_and_tool_results_are_tool(tokenizer) -> None:
     assert [event.kind for event in plan.drift] == ["answer_not_found"]  # the agent wrote that tool call
 
 
+@ON_BOTH
 def test_answer_sampled_in_odd_tokens_is_reused_and_reported(tokenizer) -> None:
     tracker = ContextTracker(tokenizer)
-    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
+    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}
+    text = sampled_text(tokenizer, reply)
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call><|im_end|>")
     # The model spelled the tag character by character; the text re-tokenizes to the added token <tool_call>.
     odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + encode(tokenizer, text[11:])
     assert tokenizer.decode(odd) == text and odd != encode(tokenizer, text)
-    reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}
     messages = [{"role": "user", "content": "Weather?"}]
     serve(tracker, messages, reply, odd, TOOLS)
     messages += [reply, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
