@@ -176,6 +176,23 @@ class TrainerConfig(BaseModel):
         description="'token': every trained token weighs the same; 'episode': every episode of a batch "
         "weighs the same, however many tokens (or samples, merged or not) it has.",
     )
+    weight_sync: Literal["memory", "disk"] = Field(
+        default="memory",
+        description="How new weights reach the engine after each step: 'memory' sends them from the ranks "
+        "straight into the running vLLM engine (vLLM's weight-transfer API: NCCL between GPUs, CUDA IPC when "
+        "colocated, gloo on CPUs); 'disk' exports them to node-local storage and reloads them (also the "
+        "fallback for the transformers engine). docs/weight_sync.md.",
+    )
+    weight_sync_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest a weight transfer may take; a side that stops mid-transfer fails the step "
+        "with an error naming it instead of hanging the allocation.",
+    )
+    weight_sync_bucket_mb: int = Field(
+        default=256, ge=1, description="Size of the buffers weights travel in during a memory sync, in MiB."
+    )
     total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
     save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")
     seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")

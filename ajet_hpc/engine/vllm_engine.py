@@ -68,6 +68,9 @@ class VllmSettings:
     """Most requests batched in one engine step."""
     enable_sleep_mode: bool = False
     """Let the engine free its GPU memory while the trainer runs (placement colocate; CUDA only)."""
+    weight_transfer_backend: str | None = None
+    """vLLM weight-transfer backend for in-memory syncs (``nccl``, ``ipc``, ``ajet_gloo``); None: reloads
+    from disk only."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -96,6 +99,9 @@ class VllmEngine(EngineLifecycle):
         self._llm: Any = None
         self._vocab_size = 0
         self._asleep = False
+        self._update_started: float | None = None  # when generation paused for an in-memory sync
+        self.last_pause_s = 0.0
+        """How long generation waited during the last weight sync."""
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
 
@@ -131,6 +137,7 @@ class VllmEngine(EngineLifecycle):
             max_num_seqs=settings.max_num_seqs,
             enable_sleep_mode=settings.enable_sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
+            **_weight_transfer_args(settings.weight_transfer_backend),
         )
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
@@ -233,6 +240,64 @@ class VllmEngine(EngineLifecycle):
                 time.monotonic() - started,
             )
 
+    # ---- in-memory weight sync (vLLM's weight-transfer API; the trainer drives it, see trainer/weight_sync)
+
+    async def weight_transfer(self, method: str, argument) -> None:
+        """One control call of an in-memory sync, as the trainer's sender asks for it: set up the transfer
+        group, start (generation pauses), receive (the weights arrive over the group), finish (the weights
+        are tagged with ``argument`` as their policy version, the prefix cache is reset, generation resumes).
+        """
+        if self._llm is None:
+            raise EngineError("the engine is not started: call start() first")
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        llm = self._llm
+        if method == "init_weight_transfer_engine":
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=argument))
+        elif method == "start_weight_update":
+            if self._asleep:
+                await self.wake_up()
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            self._update_started = time.monotonic()
+            try:
+                await llm.start_weight_update()
+            except BaseException:
+                await self._end_update()
+                raise
+        elif method == "update_weights":
+            try:
+                await llm.update_weights(WeightTransferUpdateRequest(update_info=argument))
+            except BaseException:
+                await self._end_update(failed=True)
+                raise
+        elif method == "finish_weight_update":
+            try:
+                await llm.finish_weight_update()
+                await llm.collective_rpc("ajet_retie_output_head")
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                if argument is not None:
+                    await llm.update_weight_version(str(argument))
+                    self.policy_version = int(argument)  # before any token of the new weights streams out
+            finally:
+                await self._end_update()
+        else:
+            raise EngineError(f"unknown weight-transfer call {method!r}")
+
+    async def _end_update(self, failed: bool = False) -> None:
+        """Resume generation after a sync; after a failed one first put the model back in a servable state
+        (the layers that arrived keep their new values, the others their old ones: the trainer's restart
+        from its last checkpoint sends a whole model again)."""
+        if self._update_started is None:
+            return
+        if failed:
+            await self._llm.collective_rpc("ajet_abort_weight_update")
+        self.last_pause_s = time.monotonic() - self._update_started
+        self._update_started = None
+        await self._llm.resume_generation()
+
     async def sleep(self) -> float:
         """Free the engine's GPU memory (sleep level 1: weights to host memory, KV cache dropped) while the
         trainer runs; requests in flight wait. Returns the seconds it took; 0 without sleep mode."""
@@ -252,6 +317,18 @@ class VllmEngine(EngineLifecycle):
         await self._llm.reset_prefix_cache(reset_running_requests=True)
         self._asleep = False
         return time.monotonic() - started
+
+
+def _weight_transfer_args(backend: str | None) -> dict[str, Any]:
+    if backend is None:
+        return {}
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    if backend.startswith("ajet_"):
+        from ajet_hpc.engine.weight_transfer import register
+
+        register()  # in this process; the workers register it through our vLLM plugin entry point
+    return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
 
 
 def _sampled_logprobs(token_ids: list[int], found: Any) -> list[float]:

@@ -48,3 +48,20 @@ class WeightLoadExtension:
         runner.reload_weights(weights_path=weights_path)
         tied = retie_output_head(runner.get_model())
         return {"tied": float(tied), "seconds": time.monotonic() - started}
+
+    def ajet_retie_output_head(self) -> bool:
+        """After an in-memory weight update: the tied head follows the new embedding again."""
+        return retie_output_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def ajet_abort_weight_update(self) -> None:
+        """After a transfer that failed midway: finish the layerwise reload it began, so every layer holds
+        real tensors again (those that arrived new, the others old), and leave the update state."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        config = self.vllm_config  # type: ignore[attr-defined]
+        with set_current_vllm_config(config):
+            finalize_layerwise_reload(runner.get_model(), config.model_config)
+        retie_output_head(runner.get_model())
+        self._weight_update_active = False

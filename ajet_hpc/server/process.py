@@ -156,7 +156,16 @@ def engine_settings(config: ServerConfig, placement: Placement) -> dict:
         "enforce_eager": vllm.enforce_eager,
         "tensor_parallel_size": placement.tensor_parallel,
         "enable_sleep_mode": placement.mode == "colocate",
+        "weight_transfer_backend": sync_backend(config, placement),
     }
+
+
+def sync_backend(config: ServerConfig, placement: Placement) -> str | None:
+    """vLLM's weight-transfer backend for ``trainer.weight_sync: memory``: NCCL from the trainer's GPUs to
+    the engine's, CUDA IPC when they share the GPUs (colocate), our gloo backend on CPUs; None for disk."""
+    if config.trainer is None or config.trainer.weight_sync != "memory":
+        return None
+    return {"cpu": "ajet_gloo", "split": "nccl", "colocate": "ipc"}[placement.mode]
 
 
 def bind_engine_gpus(placement: Placement, environ: dict[str, str]) -> dict[str, str]:

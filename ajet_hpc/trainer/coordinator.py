@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -25,13 +26,18 @@ from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch.placement import Placement
 from ajet_hpc.storage.episode_store import StepRecord
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed
+from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir
 from ajet_hpc.trainer.samples import build_samples
+from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 log = logging.getLogger(__name__)
+
+MAX_TRAINER_RESTARTS = 3
+"""Consecutive failed steps after which training stops; each failure restarts the ranks from their last
+checkpoint (a weight transfer broken midway, a rank that crashed)."""
 
 
 class Coordinator:
@@ -55,6 +61,7 @@ class Coordinator:
         self.metrics_path = run_root / "metrics.jsonl"
         self.collector = BatchCollector(server.trainer, mix=mix)
         self.placement = placement or server_placement(server)
+        self.sync_backend = _sync_backend(ctx.engine, server.trainer)
         self.rank_env: dict[str, str] | None = None  # the job step's environment (None: this process's)
         self.process: subprocess.Popen | None = None
         self.channel: TrainerChannel | None = None
@@ -78,7 +85,66 @@ class Coordinator:
 
     async def _run(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        sync_server = self._start_sync_server()
+        try:
+            channel = await self._start_ranks()
+            total = self.config.total_steps
+            bar = tqdm(
+                total=total,
+                initial=self.step,
+                desc=f"train {self.server.name}",
+                file=sys.stderr,
+                mininterval=1,
+            )
+            failures = 0
+            while self.step < total:
+                batch = await self.collector.next_batch()
+                try:
+                    await self._train_step(channel, batch)
+                    failures = 0
+                except TrainerFailed as error:
+                    failures += 1
+                    if failures > MAX_TRAINER_RESTARTS:
+                        raise
+                    log.error(
+                        "step %d failed (%s); restarting the ranks from their last checkpoint (%d of %d)",
+                        self.step + 1,
+                        error,
+                        failures,
+                        MAX_TRAINER_RESTARTS,
+                    )
+                    self.close()
+                    channel = await self._start_ranks()
+                    bar.reset(total)
+                    bar.update(self.step)
+                    continue
+                bar.update(1)
+            bar.close()
+            self.collector.closed = True
+            channel.request_stop()
+        finally:
+            if sync_server is not None:
+                sync_server.cancel()
+        log.info("training of %s finished at step %d", self.server.name, self.step)
+        self.ctx.finish_training()
+
+    def _start_sync_server(self) -> asyncio.Task | None:
+        """With in-memory weight syncs: the task that answers the ranks' control calls (``sync_channel``)."""
+        if self.sync_backend is None:
+            return None
+        folder = WorkDir(self.work_dir).sync
+        clear(folder)
+        server = SyncServer(folder, self.ctx.engine.weight_transfer)
+        return asyncio.get_running_loop().create_task(server.serve(), name="weight-sync")
+
+    async def _start_ranks(self) -> TrainerChannel:
+        """Start the ranks, wait until they have resumed from their last checkpoint (and handed the engine
+        its weights), and continue from that step."""
         log_path = self.work_dir / "ranks.log"
+        env = dict(os.environ if self.rank_env is None else self.rank_env)
+        if self.sync_backend is not None:
+            env[weight_sync.BACKEND_VAR] = self.sync_backend
+            env[weight_sync.WORKERS_VAR] = str(self.placement.tensor_parallel)
         self.process = start_ranks(
             self.work_dir,
             self.model_path,
@@ -86,7 +152,7 @@ class Coordinator:
             on_slurm=self.on_slurm,
             placement=self.placement,
             log_path=log_path,
-            env=self.rank_env,
+            env=env,
         )
         channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
         self.channel = channel
@@ -99,31 +165,26 @@ class Coordinator:
             log.info(
                 "removed %d metrics rows past the checkpoint at step %d (they run again)", dropped, self.step
             )
-        total = self.config.total_steps
-        bar = tqdm(
-            total=total, initial=self.step, desc=f"train {self.server.name}", file=sys.stderr, mininterval=1
-        )
-        while self.step < total:
-            batch = await self.collector.next_batch()
-            await self._train_step(channel, batch)
-            bar.update(1)
-        bar.close()
-        self.collector.closed = True
-        channel.request_stop()
-        log.info("training of %s finished at step %d", self.server.name, self.step)
-        self.ctx.finish_training()
+        return channel
 
     async def _resume(self, ready: dict) -> None:
-        weights = ready.get("weights_dir")
-        if not weights or not Path(weights).is_dir():
-            raise TrainerFailed(
-                f"the ranks resumed at step {self.step} but exported no weights ({weights!r})"
-            )
         started = time.monotonic()
-        await self.ctx.engine.load_weights(Path(weights), self.step)
+        if ready.get("weights") == "memory":  # the ranks sent the checkpoint's weights while starting
+            if self.ctx.engine.policy_version != self.step:
+                raise TrainerFailed(
+                    f"the ranks resumed at step {self.step} but the engine holds policy version "
+                    f"{self.ctx.engine.policy_version}"
+                )
+        else:
+            weights = ready.get("weights_dir")
+            if not weights or not Path(weights).is_dir():
+                raise TrainerFailed(
+                    f"the ranks resumed at step {self.step} but exported no weights ({weights!r})"
+                )
+            await self.ctx.engine.load_weights(Path(weights), self.step)
         self.collector.set_policy_version(self.step)
         log.info(
-            "resumed %s at step %d (weights reloaded in %.2fs)",
+            "resumed %s at step %d (weights to the engine in %.2fs)",
             self.server.name,
             self.step,
             time.monotonic() - started,
@@ -147,9 +208,13 @@ class Coordinator:
                 return
             trained = time.monotonic()
             wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
-            await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
-            sync_s = time.monotonic() - trained
-            result = {**result, "sleep_s": sleep_s, "wake_s": wake_s}
+            if result.get("weights") == "memory":  # sent before the result was written
+                sync_s = float(result.get("sync_send_s") or 0.0)
+                pause_s = getattr(self.ctx.engine, "last_pause_s", 0.0)
+            else:
+                await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
+                sync_s = pause_s = time.monotonic() - trained
+            result = {**result, "sleep_s": sleep_s, "wake_s": wake_s, "pause_s": pause_s}
         finally:
             self.ctx.admission.set()
         self._in_flight = None
@@ -219,6 +284,9 @@ class Coordinator:
             "step_time_s": round(step_s, 4),
             "train_time_s": result.get("step_time_s"),
             "weight_sync_s": round(sync_s, 4),
+            "weight_sync": result.get("weights"),
+            "weight_sync_bytes": result.get("sync_bytes"),
+            "engine_pause_s": _round(result.get("pause_s")),
             "engine_sleep_s": result.get("sleep_s"),
             "engine_wake_s": result.get("wake_s"),
             "policy_version": self.step,
@@ -264,6 +332,14 @@ class Coordinator:
                 continue
 
 
+def _sync_backend(engine, trainer: TrainerConfig) -> str | None:
+    """The weight-transfer backend the engine was built with for in-memory syncs; None: reload from disk."""
+    backend = getattr(getattr(engine, "settings", None), "weight_transfer_backend", None)
+    if trainer.weight_sync == "memory" and backend is None:
+        log.info("weight_sync memory needs the vLLM engine; the %s engine reloads from disk", engine.name)
+    return backend if trainer.weight_sync == "memory" else None
+
+
 @dataclass(frozen=True)
 class _InFlight:
     step: int
@@ -271,6 +347,10 @@ class _InFlight:
     samples: list
     merging: MergeStats
     started: float
+
+
+def _round(value) -> float | None:
+    return None if value is None else round(float(value), 4)
 
 
 def _fmt(value) -> str:

@@ -90,6 +90,8 @@ class WorkDir:
     """The paths of a trainer work dir (see the module doc)."""
 
     root: Path
+    export_root: Path | None = None
+    """Where weight exports go (``weight_sync: disk``): node-local storage; None: ``root/weights``."""
 
     @property
     def inbox(self) -> Path:
@@ -101,7 +103,12 @@ class WorkDir:
 
     @property
     def weights(self) -> Path:
-        return self.root / "weights"
+        return self.export_root if self.export_root is not None else self.root / "weights"
+
+    @property
+    def sync(self) -> Path:
+        """The control calls of in-memory weight syncs (``sync_channel``)."""
+        return self.root / "sync"
 
     @property
     def ds(self) -> Path:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -30,7 +32,7 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.launch.placement import bind_rank_gpu
 from ajet_hpc.storage.atomic import read_json, write_json_atomic
-from ajet_hpc.trainer import protocol, zero
+from ajet_hpc.trainer import protocol, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.protocol import Batch, WorkDir
@@ -88,10 +90,11 @@ class Rank:
 
     def __init__(self, env: RankEnv, work_dir: Path, model_dir: Path, config: TrainerConfig) -> None:
         self.env = env
-        self.work = WorkDir(Path(work_dir))
+        self.work = WorkDir(Path(work_dir), export_root=export_root(Path(work_dir)))
         self.model_dir = Path(model_dir)
         self.config = config
         self.step = 0
+        self.sender: weight_sync.WeightSender | None = None
 
     def run(self) -> int:
         # a CPU placement runs on the CPU also where CUDA is there (the launcher set DS_ACCELERATOR=cpu)
@@ -108,7 +111,8 @@ class Rank:
             if self.env.rank == 0:
                 for path in protocol.discard_after(self.work, self.step):
                     log.info("removed %s, left by a run past step %d", path, self.step)
-            weights = self._export(self.step) if self.step else None
+            self.sender = self._open_sender()
+            weights = self._publish(self.step) if self.step else None
         except Exception as error:
             log.exception("start failed")
             if self.env.rank == 0:
@@ -124,7 +128,8 @@ class Rank:
                     "device": "cuda" if on_gpu else "cpu",
                     "start_time_s": round(time.monotonic() - started, 3),
                     "pid": os.getpid(),
-                    "weights_dir": None if weights is None else str(weights),
+                    **({} if weights is None else weights),
+                    "weight_sync": "memory" if self.sender is not None else "disk",
                 },
             )
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -199,7 +204,7 @@ class Rank:
         metrics = train_step(self.models, batch.samples, self.config, self.pad_id)
         step_time = time.monotonic() - started
         started = time.monotonic()
-        weights = self._export(batch.step)
+        weights = self._publish(batch.step)
         export_time = time.monotonic() - started
         checkpoint_time = 0.0
         if batch.save_checkpoint:
@@ -229,7 +234,7 @@ class Rank:
                     "export_time_s": round(export_time, 4),
                     "checkpoint": batch.save_checkpoint,
                     "checkpoint_time_s": round(checkpoint_time, 4),
-                    "weights_dir": str(weights),
+                    **weights,
                 },
             )
             self.work.batch_file(batch.step).unlink(missing_ok=True)
@@ -251,8 +256,36 @@ class Rank:
         if self.env.rank == 0:
             self.work.save_request.unlink(missing_ok=True)
 
-    def _export(self, step: int) -> Path:
-        return zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank)
+    def _open_sender(self) -> weight_sync.WeightSender | None:
+        """The in-memory sender when the server asked for one (``AJET_WEIGHT_SYNC``), else None (disk)."""
+        if not weight_sync.wanted():
+            return None
+        zero3 = self.config.zero_stage == 3
+        return weight_sync.WeightSender(
+            self.models.engine.module, zero3, self.config, self.work.sync, self.env.rank
+        )
+
+    def _publish(self, step: int) -> dict:
+        """Hand the engine step ``step``'s weights: sent in memory, or exported for a reload from disk.
+        What the result file says about it."""
+        if self.sender is not None:
+            stats = self.sender.send(step)
+            return {"weights": "memory", "sync_send_s": round(stats.seconds, 4), "sync_bytes": stats.bytes}
+        folder = zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank)
+        return {"weights": "disk", "weights_dir": str(folder)}
+
+
+def export_root(work_dir: Path) -> Path:
+    """Where ``weight_sync: disk`` exports go: node-local storage (``$SLURM_TMPDIR``, else the temp folder)
+    when this rank shares the server's host, so the weights never cross the shared file system; the work
+    dir's ``weights/`` otherwise (a rank 0 on another node than the server, where only shared storage is
+    common to both). Checkpoints for resuming stay in the work dir either way."""
+    if os.environ.get(PARENT_HOST_VAR, socket.gethostname()) != socket.gethostname():
+        log.warning("rank 0 runs on another host than the server: weight exports go to shared storage")
+        return work_dir / "weights"
+    local = Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
+    digest = hashlib.sha1(str(work_dir.resolve()).encode()).hexdigest()[:12]
+    return local / f"ajet-weights-{digest}"
 
 
 def _parent_alive() -> bool:

@@ -1,0 +1,147 @@
+"""The control plane of an in-memory weight sync, between the trainer's rank 0 and the server process.
+
+vLLM's trainer-side transfer engines drive the engine through a ``VLLMWeightSyncClient`` (init, start,
+update, finish) while they send. Here the engine (``AsyncLLM``) lives in the server process and the sender
+in a rank, another process and perhaps another node, so the client is a small RPC over the trainer's work
+dir on shared storage: the rank writes ``sync/call-<session>-<n>.pkl`` (method and arguments), the server's
+:class:`SyncServer` runs it on the engine and answers with ``done-<session>-<n>.pkl``. Only the calls go
+this way; the weights themselves travel over the transfer group (NCCL, CUDA IPC or gloo). Every wait has a
+timeout, so a side that stops fails the step with an error naming it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
+
+class SyncFailed(RuntimeError):
+    """A weight sync did not complete; the message names the side that stopped."""
+
+
+def _write(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        pickle.dump(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as handle:
+            return pickle.load(handle)
+    except FileNotFoundError:
+        return None
+
+
+def clear(folder: Path) -> None:
+    """Remove the calls and answers an earlier trainer left (called before the ranks start)."""
+    if folder.is_dir():
+        for stale in folder.iterdir():
+            stale.unlink(missing_ok=True)
+
+
+class FileSyncClient:
+    """The rank's ``VLLMWeightSyncClient`` (see the module doc). ``version`` is the policy version that the
+    next ``finish_weight_update`` tags the weights with."""
+
+    def __init__(self, folder: Path, timeout_s: float, alive: Callable[[], bool] | None = None) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        self.alive = alive or (lambda: True)
+        self.session = uuid.uuid4().hex[:8]
+        self.count = 0
+        self.version: int | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.version
+        self._call("finish_weight_update", None if version is None else str(version))
+
+    def _call(self, method: str, argument: Any = None) -> Any:
+        self.count += 1
+        name = f"{self.session}-{self.count:06d}"
+        _write(
+            self.folder / f"call-{name}.pkl", {"method": method, "argument": argument, "sent": time.time()}
+        )
+        answer_path = self.folder / f"done-{name}.pkl"
+        deadline = time.monotonic() + self.timeout_s
+        while (answer := _read(answer_path)) is None:
+            if time.monotonic() > deadline:
+                raise SyncFailed(
+                    f"weight sync: the server did not complete {method} within weight_sync_timeout_s="
+                    f"{self.timeout_s:g} (its engine stopped receiving, or the server is gone)"
+                )
+            if not self.alive():
+                raise SyncFailed(f"weight sync: the server went away during {method}")
+            time.sleep(0.005)
+        answer_path.unlink(missing_ok=True)
+        if not answer.get("ok"):
+            raise SyncFailed(f"weight sync: the server's engine failed {method}: {answer.get('error')}")
+        return answer.get("result")
+
+
+Handler = Callable[[str, Any], Awaitable[Any]]
+
+
+class SyncServer:
+    """The server process's side: answers the rank's calls by running them on the engine, one at a time in
+    the order sent. ``handler(method, argument)`` is the engine's coroutine for the call."""
+
+    def __init__(self, folder: Path, handler: Handler, poll_s: float = 0.02) -> None:
+        self.folder = Path(folder)
+        self.handler, self.poll_s = handler, poll_s
+        self.busy_since: float | None = None  # monotonic time the call in progress began
+
+    async def serve(self) -> None:
+        """Run until cancelled."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            calls = sorted(self.folder.glob("call-*.pkl"))
+            if not calls:
+                await asyncio.sleep(self.poll_s)
+                continue
+            for path in calls:
+                await self._answer(path)
+
+    async def _answer(self, path: Path) -> None:
+        call = _read(path)
+        name = path.name.removeprefix("call-")
+        path.unlink(missing_ok=True)
+        if call is None:
+            return
+        method = call.get("method")
+        self.busy_since = time.monotonic()
+        try:
+            if method not in METHODS:
+                raise ValueError(f"unknown weight-sync call {method!r}")
+            result = await self.handler(method, call.get("argument"))
+            answer = {"ok": True, "result": result}
+        except Exception as error:  # answered to the rank, which fails its step with it
+            log.exception("weight sync: %s failed", method)
+            answer = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        finally:
+            self.busy_since = None
+        _write(self.folder / f"done-{name}", answer)

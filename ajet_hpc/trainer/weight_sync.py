@@ -1,0 +1,166 @@
+"""The ranks' side of ``trainer.weight_sync: memory``: send the trained weights straight into the engine.
+
+The server tells the ranks which of vLLM's transfer backends to use (``AJET_WEIGHT_SYNC``: ``nccl`` between
+GPUs, ``ipc`` when colocated on the same GPUs, ``ajet_gloo`` on CPUs) and how many engine workers receive
+(``AJET_ENGINE_WORKERS``). Every rank builds the sender; rank 0 sends, the others only take part in the
+gathers. vLLM's trainer engine for the backend does the handshake and the transfer; its control calls go to
+the server through ``sync_channel``.
+
+:class:`ZeroSource` is the ``WeightSource`` over a DeepSpeed engine: parameters in the model's own names
+(those of its checkpoint, which vLLM's ``load_weights`` takes), one decoder layer at a time. Under ZeRO-3 a
+layer's parameters are gathered together (``GatheredParameters``), copied out and released before the next
+layer is gathered, so no rank ever holds more than one layer beyond its shard. A tied output head is the
+embedding's parameter and is sent once, as the embedding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKEND_VAR = "AJET_WEIGHT_SYNC"
+WORKERS_VAR = "AJET_ENGINE_WORKERS"
+
+
+def _source_base():
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    return WeightSource
+
+
+def zero_source(module: torch.nn.Module, zero3: bool):
+    """A vLLM ``WeightSource`` over a DeepSpeed-wrapped module (see the module doc)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
+
+    class ZeroSource(_source_base()):
+        def __init__(self) -> None:
+            self.params = dict(module.named_parameters())  # deduplicated: a tied head is not repeated
+            shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.params.items()}
+            self.meta = [ParamMeta(n, p.dtype, shapes[n]) for n, p in self.params.items()]
+            self.layer_groups = layerwise_groups([m.name for m in self.meta])
+            order = [n for group in self.layer_groups for n in group]
+            self.meta = sorted(self.meta, key=lambda m: order.index(m.name))
+
+        def metadata(self):
+            return self.meta
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for group in self.layer_groups:
+                params = [self.params[n] for n in group]
+                if zero3:
+                    import deepspeed
+
+                    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                        copies = [p.data.detach().clone() for p in params]
+                else:
+                    copies = [p.data.detach() for p in params]
+                yield from zip(group, copies, strict=True)
+
+    return ZeroSource()
+
+
+def _address(engine_host: str | None) -> str:
+    """Where the engine's workers reach this rank: loopback when they run on this host."""
+    if engine_host == socket.gethostname():
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.getfqdn()
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+
+
+class WeightSender:
+    """Builds vLLM's trainer-side transfer engine for the backend the server chose and sends each step."""
+
+    def __init__(self, module: torch.nn.Module, zero3: bool, config, folder: Path, rank: int) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from ajet_hpc.engine.weight_transfer import register
+        from ajet_hpc.trainer.sync_channel import FileSyncClient
+
+        register()
+        self.backend = os.environ[BACKEND_VAR]
+        self.rank = rank
+        self.source = zero_source(module, zero3)
+        self.bytes = sum(
+            _numel(m.shape) * torch.empty((), dtype=m.dtype).element_size() for m in self.source.meta
+        )
+        self.client = FileSyncClient(folder, config.weight_sync_timeout_s)
+        init_info = self._init_info(config, rank)
+        started = time.monotonic()
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            init_info, client=self.client, source=self.source
+        )
+        log.info(
+            "weight sync: %s backend up in %.2f s (%d parameters, %.1f MB per sync)",
+            self.backend,
+            time.monotonic() - started,
+            len(self.source.meta),
+            self.bytes / 1e6,
+        )
+
+    def _init_info(self, config, rank: int):
+        from ajet_hpc.trainer.launch import PARENT_HOST_VAR, free_port
+
+        workers = int(os.environ.get(WORKERS_VAR, "1"))
+        bucket = config.weight_sync_bucket_mb * 2**20
+        if self.backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket)
+        address = _address(os.environ.get(PARENT_HOST_VAR))
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            return NCCLTrainerInitInfo(
+                rank=rank,
+                master_address=address,
+                master_port=free_port() if rank == 0 else 0,
+                world_size=1 + workers,
+                packed=True,
+                packed_buffer_size_bytes=bucket,
+            )
+        from ajet_hpc.engine.weight_transfer import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(
+            rank=rank,
+            master_address=address,
+            master_port=0,  # rank 0 binds a free port itself
+            world_size=1 + workers,
+            timeout_s=config.weight_sync_timeout_s,
+            bucket_bytes=bucket,
+        )
+
+    def send(self, version: int) -> SyncStats:
+        """Send the current weights, tagged as policy ``version``; every rank calls it."""
+        started = time.monotonic()
+        self.client.version = version
+        self.engine.send_weights()
+        return SyncStats(time.monotonic() - started, self.bytes if self.rank == 0 else 0)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def wanted() -> bool:
+    """Whether the server asked this trainer for in-memory syncs."""
+    return bool(os.environ.get(BACKEND_VAR))

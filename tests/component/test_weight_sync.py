@@ -1,0 +1,145 @@
+"""In-memory weight sync (trainer.weight_sync: memory) on the CPU path: real DeepSpeed ranks send their
+weights over our gloo backend of vLLM's weight-transfer API into a running vLLM (CPU) engine, driven by the
+same control calls the server makes. Three GRPO steps give the engine the same logprobs as reloading the
+exported weights from disk, for an untied and a tied model, ZeRO-2 and ZeRO-3, 2 ranks. A rank killed
+mid-transfer fails the step with a clear error within the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ajet_hpc.algo.samples import Sample
+from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.engine.base import SamplingParams, generate_all
+from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.launch.placement import cpu_placement
+from ajet_hpc.trainer import weight_sync
+from ajet_hpc.trainer.launch import start_ranks
+from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir
+from ajet_hpc.trainer.sync_channel import SyncServer, clear
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    if not vllm_available()[0]:
+        why = vllm_available()[1]
+        pytest.fail(why) if os.environ.get("CI", "").lower() == "true" else pytest.skip(why)
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param == "untied":
+        return tiny_model
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tied.config.tie_word_embeddings = True
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    dest = tmp_path_factory.mktemp("tied")
+    tied.save_pretrained(dest)
+    for extra in [*tiny_model.glob("tokenizer*"), tiny_model / "chat_template.jinja"]:
+        (dest / extra.name).write_bytes(extra.read_bytes())
+    return dest
+
+
+@pytest.fixture(scope="module")
+def engine(loop, model: Path):
+    """One vLLM engine per model, built with the gloo transfer backend (it also reloads from disk)."""
+    from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
+
+    engine = VllmEngine(model, VllmSettings(max_model_len=256, weight_transfer_backend="ajet_gloo"))
+    loop.run_until_complete(engine.start())
+    yield engine
+    loop.run_until_complete(engine.stop())
+
+
+def batches(model: Path) -> list[list[Sample]]:
+    """STEPS batches of 4 samples over real token ids, advantages +-1 on the last 6 tokens."""
+    vocab = AutoModelForCausalLM.from_pretrained(model).config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for step in range(STEPS):
+        samples = []
+        for i in range(4):
+            ids = torch.randint(10, vocab, (14,), generator=gen).tolist()
+            mask = [0] * 8 + [1] * 6
+            adv = 1.0 if i % 2 == 0 else -1.0
+            samples.append(
+                Sample(ids, mask, [0.0] * 14, [adv * m for m in mask], step, f"e{step}{i}", f"t{i}")
+            )
+        out.append(samples)
+    return out
+
+
+async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: bool) -> list[dict]:
+    """STEPS steps; after each, the engine's greedy answer and logprobs (and the step's result)."""
+    env = dict(os.environ)
+    server = None
+    if memory:
+        env[weight_sync.BACKEND_VAR], env[weight_sync.WORKERS_VAR] = "ajet_gloo", "1"
+        clear(WorkDir(work).sync)
+        server = asyncio.get_running_loop().create_task(
+            SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
+        )
+    log = work / "ranks.log"
+    proc = start_ranks(work, model, config, on_slurm=False, placement=cpu_placement(2), log_path=log, env=env)
+    channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which weights?"}], add_generation_prompt=True, return_dict=False
+    )
+    seen = []
+    try:
+        await channel.wait_ready(timeout_s=300)
+        for step, samples in enumerate(batches(model), start=1):
+            channel.submit(step, samples)
+            result = await channel.wait_result(step, timeout_s=300)
+            if not memory:
+                await engine.load_weights(Path(result["weights_dir"]), step)
+            assert engine.policy_version == step
+            out = await generate_all(engine, prompt, GREEDY, f"{work.name}-{step}")
+            seen.append({"result": result, "tokens": out.token_ids, "logprobs": out.logprobs})
+        channel.request_stop()
+        await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if server is not None:
+            server.cancel()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_memory_sync_gives_the_engine_what_a_disk_reload_gives(
+    loop, engine, model: Path, stage: int, tmp_path: Path
+) -> None:
+    config = TrainerConfig(zero_stage=stage, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1)
+    memory = loop.run_until_complete(train(engine, model, tmp_path / "memory", config, memory=True))
+    loop.run_until_complete(engine.load_weights(model, 0))  # back to the initial weights
+    disk = loop.run_until_complete(train(engine, model, tmp_path / "disk", config, memory=False))
+    for step, (mem, dsk) in enumerate(zip(memory, disk, strict=True), start=1):
+        assert mem["result"]["weights"] == "memory" and dsk["result"]["weights"] == "disk"
+        assert mem["result"]["sync_bytes"] > 0
+        assert mem["tokens"] == dsk["tokens"], step
+        diff = max(abs(a - b) for a, b in zip(mem["logprobs"], dsk["logprobs"], strict=True))
+        assert diff <= 1e-4, (step, diff)
+    assert engine.last_pause_s > 0
+    # the weights moved: the answer's logprobs differ from step to step
+    assert memory[0]["logprobs"] != memory[-1]["logprobs"]
+    # disk exports went to node-local storage, not into the work dir
+    assert not (tmp_path / "disk" / "weights").exists()
+    loop.run_until_complete(engine.load_weights(model, 0))
