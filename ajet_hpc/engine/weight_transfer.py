@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -34,6 +36,8 @@ from vllm.distributed.weight_transfer.base import (
 log = logging.getLogger(__name__)
 
 BACKEND = "ajet_gloo"
+STALL_VAR = "AJET_TEST_SYNC_STALL_BUCKET"
+"""Tests only: the sender stops before this bucket, so a test can kill it midway through a transfer."""
 
 
 @dataclass
@@ -243,7 +247,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def _send(self, meta) -> None:
         tensors = self._checked(meta)
         shapes = [tuple(m.shape) for m in meta]
-        for dtype, indices in buckets(shapes, [m.dtype for m in meta], self.bucket_bytes):
+        stall = int(os.environ.get(STALL_VAR, "-1"))
+        for sent, (dtype, indices) in enumerate(buckets(shapes, [m.dtype for m in meta], self.bucket_bytes)):
+            if sent == stall:  # tests: a sender that stops midway (killed while it waits here)
+                log.warning("%s=%d: stalling before bucket %d", STALL_VAR, stall, sent)
+                time.sleep(3600)
             parts = [next(tensors).reshape(-1).to("cpu", dtype) for _ in indices]
             flat = parts[0] if len(parts) == 1 else torch.cat(parts)
             _broadcast(self.group, flat.contiguous())

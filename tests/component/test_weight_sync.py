@@ -21,6 +21,7 @@ from ajet_hpc.algo.samples import Sample
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.engine.weight_transfer import STALL_VAR
 from ajet_hpc.launch.placement import cpu_placement
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
@@ -112,7 +113,9 @@ async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: 
                 await engine.load_weights(Path(result["weights_dir"]), step)
             assert engine.policy_version == step
             out = await generate_all(engine, prompt, GREEDY, f"{work.name}-{step}")
-            seen.append({"result": result, "tokens": out.token_ids, "logprobs": out.logprobs})
+            seen.append(
+                {"result": result, "tokens": out.token_ids, "logprobs": out.logprobs, "prompt": prompt}
+            )
         channel.request_stop()
         await asyncio.to_thread(proc.wait, 60)
     finally:
@@ -138,8 +141,76 @@ def test_memory_sync_gives_the_engine_what_a_disk_reload_gives(
         diff = max(abs(a - b) for a, b in zip(mem["logprobs"], dsk["logprobs"], strict=True))
         assert diff <= 1e-4, (step, diff)
     assert engine.last_pause_s > 0
+    # and both equal a plain transformers forward of the trained weights (a tied head kept its tie)
+    last = disk[-1]
+    reference = score(Path(last["result"]["weights_dir"]), last["prompt"], last["tokens"])
+    assert max(abs(a - b) for a, b in zip(memory[-1]["logprobs"], reference, strict=True)) <= 1e-4
     # the weights moved: the answer's logprobs differ from step to step
     assert memory[0]["logprobs"] != memory[-1]["logprobs"]
     # disk exports went to node-local storage, not into the work dir
     assert not (tmp_path / "disk" / "weights").exists()
+    loop.run_until_complete(engine.load_weights(model, 0))
+
+
+def score(folder: Path, prompt: list[int], response: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0]
+    table = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return table.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("model", ["untied"], indirect=True)
+def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
+    loop, engine, model: Path, tmp_path: Path
+) -> None:
+    """The rank stops before its second bucket (a test hook: a real transfer of the tiny model is over in
+    milliseconds, too fast to kill in the middle), then is killed. The step ends with an error naming the
+    ranks, the engine's receive gives up within weight_sync_timeout_s, and it serves again."""
+    timeout_s = 15.0
+    config = TrainerConfig(zero_stage=2, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1,
+                           weight_sync_timeout_s=timeout_s)  # fmt: skip
+    work = tmp_path / "killed"
+    env = {**os.environ, weight_sync.BACKEND_VAR: "ajet_gloo", weight_sync.WORKERS_VAR: "1", STALL_VAR: "1"}
+
+    async def scenario() -> tuple[str, float, float]:
+        clear(WorkDir(work).sync)
+        server = asyncio.get_running_loop().create_task(
+            SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
+        )
+        log = work / "ranks.log"
+        proc = start_ranks(
+            work, model, config, on_slurm=False, placement=cpu_placement(2), log_path=log, env=env
+        )
+        channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
+        try:
+            await channel.wait_ready(timeout_s=300)
+            channel.submit(1, batches(model)[0])
+            deadline = time.monotonic() + 120
+            while "stalling before bucket 1" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                await asyncio.sleep(0.2)
+            killed = time.monotonic()
+            os.killpg(proc.pid, signal.SIGKILL)
+            with pytest.raises(TrainerFailed) as failed:
+                await channel.wait_result(1, timeout_s=timeout_s)
+            step_failed_after = time.monotonic() - killed
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Still there?"}], add_generation_prompt=True, return_dict=False
+            )
+            out = await asyncio.wait_for(
+                generate_all(engine, prompt, GREEDY, "after-kill"), 2 * timeout_s + 30
+            )
+            assert out.token_ids
+            return str(failed.value), step_failed_after, time.monotonic() - killed
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            server.cancel()
+
+    message, step_failed_after, serving_after = loop.run_until_complete(scenario())
+    assert "ranks" in message or "rank" in message, message
+    assert step_failed_after < timeout_s
+    assert serving_after < 2 * timeout_s + 30
+    assert engine.last_pause_s < 2 * timeout_s + 30
     loop.run_until_complete(engine.load_weights(model, 0))
