@@ -1,15 +1,17 @@
 """The GPU path in one short run (by hand on a GPU machine; CI has none): engine and DeepSpeed ZeRO-3
 trainer colocated on one GPU, a Qwen2.5-0.5B-shaped model with random weights built from a config written
-here (tied embeddings, bf16; no download), GRPO steps with the weight sync of the real server, and the
-engine's logprobs after each sync against a transformers forward of the trained weights.
+here (tied embeddings, bf16; no download), GRPO steps, and the engine's logprobs after each weight sync.
 
-The engine is vLLM (CUDA build) with sleep mode when it imports, as a colocated server runs it; where vLLM
-is missing (a machine that cannot install its CUDA wheel) the transformers engine takes its place and the
-RESULT line says ``engine=transformers`` (then ``wake_s`` is 0: nothing sleeps). The trainer's ranks are
-started by the server's own launcher code with the colocate placement (one rank bound to the GPU through
-``AJET_RANK_GPUS``), and talk to this process through the same file protocol.
+With vLLM (CUDA build) the engine sleeps while the rank trains (sleep mode) and the weights reach it in
+memory (``weight_sync: memory``: CUDA IPC, the rank shares the engine's GPU); a second pass reloads them
+from disk instead, and the engine's logprobs after the two must agree, and agree with a transformers
+forward of the trained weights. Where vLLM is missing (a machine that cannot install its CUDA wheel) the
+transformers engine takes its place with the disk pass only, and the RESULT line says so
+(``engine=transformers+disk``, ``wake_s`` 0). The ranks are started by the server's own launcher code with
+the colocate placement (one rank bound to the GPU through ``AJET_RANK_GPUS``).
 
     make install && .venv/bin/python tools/gpu_check.py        # ends with RESULT gpu_ok=1 ...
+    .venv/bin/python tools/gpu_check.py --cpu --layers 2       # smoke test of the script on a CPU machine
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -32,8 +35,10 @@ from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.launch.placement import cpu_placement, plan_placement
+from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel
+from ajet_hpc.trainer.protocol import TrainerChannel, WorkDir
+from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 QWEN25_05B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -69,7 +74,7 @@ def build_model(dest: Path, layers: int) -> Path:
     return dest
 
 
-def make_engine(model: Path, use_vllm: bool):
+def make_engine(model: Path, use_vllm: bool, backend: str | None):
     if use_vllm:
         from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 
@@ -79,6 +84,7 @@ def make_engine(model: Path, use_vllm: bool):
             max_model_len=512,
             gpu_memory_utilization=0.3,
             enable_sleep_mode=on_gpu,
+            weight_transfer_backend=backend,
         )
         return VllmEngine(model, settings)
     from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
@@ -102,13 +108,17 @@ def score(folder: Path, prompt: list[int], response: list[int], device: str) -> 
 
 
 async def rollouts(engine, prompt: list[int], group: int, version: int) -> list[Sample]:
-    params = SamplingParams(max_tokens=24, temperature=1.0)
-    outs = [await generate_all(engine, prompt, params, f"v{version}-{i}") for i in range(group)]
-    rewards = [random.random() for _ in outs]
-    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards) or 1.0
+    """``group`` sampled answers (seeded: both passes draw the same ones from the same weights), rewards
+    from a seeded random stream, group-normalised advantages on the answer tokens."""
+    rewards_rng = random.Random(version)
     samples = []
+    outs = []
+    for i in range(group):
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=1000 * version + i)
+        outs.append(await generate_all(engine, prompt, params, f"v{version}-{i}-{time.monotonic_ns()}"))
+    rewards = [rewards_rng.random() for _ in outs]
+    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards) or 1.0
     for i, (out, reward) in enumerate(zip(outs, rewards, strict=True)):
-        n = len(prompt) + len(out.token_ids)
         mask = [0] * len(prompt) + [1] * len(out.token_ids)
         advantage = (reward - mean) / std
         samples.append(
@@ -122,72 +132,118 @@ async def rollouts(engine, prompt: list[int], group: int, version: int) -> list[
                 task_id="t",
             )
         )
-        assert len(samples[-1].token_ids) == n
     return samples
+
+
+async def train_pass(engine, model: Path, work: Path, args, backend: str | None) -> list[dict]:
+    """``args.steps`` GRPO steps with the weights reaching the engine in memory (``backend``) or from disk
+    (None); after each, the engine's greedy answer with its logprobs, and the timings."""
+    config = TrainerConfig(zero_stage=3, ranks=1, lr=1e-4, total_steps=args.steps, save_every=10**6)
+    if args.cpu:  # a smoke test of this script where there is no GPU
+        placement = cpu_placement(1)
+    else:
+        placement = plan_placement(nodes=1, gpus_per_node=1, mode="colocate", engine_gpus=1, cpu_ranks=1)
+    env, sync_server = dict(os.environ), None
+    if backend is not None:
+        env[weight_sync.BACKEND_VAR], env[weight_sync.WORKERS_VAR] = backend, "1"
+        clear(WorkDir(work).sync)
+        sync_server = asyncio.get_running_loop().create_task(
+            SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
+        )
+    log_path = work / "ranks.log"
+    process = start_ranks(
+        work, model, config, on_slurm=False, placement=placement, log_path=log_path, env=env
+    )
+    channel = TrainerChannel(work, alive=lambda: process.poll() is None, log_path=log_path)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+3="}], add_generation_prompt=True, return_dict=False
+    )
+    steps = []
+    try:
+        ready = await channel.wait_ready(timeout_s=600)
+        print(f"trainer ready ({'memory ' + backend if backend else 'disk'}): {json.dumps(ready)}")
+        for step in range(1, args.steps + 1):
+            samples = await rollouts(engine, prompt, args.group, step - 1)
+            sleep_s = await engine.sleep()
+            began = time.monotonic()
+            channel.submit(step, samples)
+            result = await channel.wait_result(step, timeout_s=600)
+            step_s = time.monotonic() - began
+            began = time.monotonic()
+            wake_s = await engine.wake_up()
+            if result["weights"] == "memory":  # sent before the result was written
+                sync_s = result["sync_send_s"]
+            else:
+                await engine.load_weights(Path(result["weights_dir"]), step)
+                sync_s = time.monotonic() - began
+            greedy = SamplingParams(max_tokens=16, temperature=0.0)
+            out = await generate_all(engine, prompt, greedy, f"g{step}-{backend}")
+            steps.append(
+                dict(
+                    result=result,
+                    step_s=step_s,
+                    sync_s=sync_s,
+                    wake_s=wake_s,
+                    sleep_s=sleep_s,
+                    prompt=prompt,
+                    tokens=out.token_ids,
+                    logprobs=out.logprobs,
+                )
+            )
+            print(
+                f"step {step}: loss {result['loss']:.4f}, trainer {step_s:.2f} s, weights "
+                f"{result['weights']} {sync_s:.3f} s, wake {wake_s:.2f} s, sleep {sleep_s:.2f} s"
+            )
+        channel.request_stop()
+        await asyncio.to_thread(process.wait, 120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if sync_server is not None:
+            sync_server.cancel()
+    return steps
 
 
 async def check(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ajet-gpu-check-"))
     model = build_model(work / "model", args.layers)
     use_vllm, why = vllm_available()
+    # vLLM: weights in memory (CUDA IPC: the rank shares the engine's GPU), and a disk pass to compare with;
+    # the transformers engine: from disk only
+    backend = ("ajet_gloo" if args.cpu else "ipc") if use_vllm else None
     print(f"engine: {'vllm' if use_vllm else 'transformers'} ({why})")
-    engine = make_engine(model, use_vllm)
+    engine = make_engine(model, use_vllm, backend)
     started = time.monotonic()
     await engine.start()
     print(f"engine up in {time.monotonic() - started:.1f} s")
-    config = TrainerConfig(zero_stage=3, ranks=1, lr=1e-4, total_steps=args.steps, save_every=10**6)
-    if args.cpu:  # a smoke test of this script where there is no GPU
-        placement = cpu_placement(1)
-    else:
-        placement = plan_placement(nodes=1, gpus_per_node=1, mode="colocate", engine_gpus=1, cpu_ranks=1)
-    log_path = work / "ranks.log"
-    process = start_ranks(
-        work / "trainer", model, config, on_slurm=False, placement=placement, log_path=log_path
-    )
-    channel = TrainerChannel(work / "trainer", alive=lambda: process.poll() is None, log_path=log_path)
-    figures: dict[str, list[float]] = {"step_s": [], "sync_s": [], "wake_s": [], "sleep_s": [], "maxdiff": []}
     try:
-        ready = await channel.wait_ready(timeout_s=600)
-        print(f"trainer ready: {json.dumps(ready)}")
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "2+3="}], add_generation_prompt=True, return_dict=False
-        )
-        for step in range(1, args.steps + 1):
-            samples = await rollouts(engine, prompt, args.group, step - 1)
-            figures["sleep_s"].append(await engine.sleep())
-            began = time.monotonic()
-            channel.submit(step, samples)
-            result = await channel.wait_result(step, timeout_s=600)
-            figures["step_s"].append(time.monotonic() - began)
-            began = time.monotonic()
-            figures["wake_s"].append(await engine.wake_up())
-            await engine.load_weights(Path(result["weights_dir"]), step)
-            figures["sync_s"].append(time.monotonic() - began)
-            out = await generate_all(
-                engine, prompt, SamplingParams(max_tokens=16, temperature=0.0), f"g{step}"
-            )
-            reference = score(
-                Path(result["weights_dir"]), prompt, out.token_ids, "cpu" if args.cpu else "cuda"
-            )
-            diff = max(abs(a - b) for a, b in zip(out.logprobs, reference, strict=True))
-            figures["maxdiff"].append(diff)
-            print(
-                f"step {step}: loss {result['loss']:.4f}, trainer {figures['step_s'][-1]:.2f} s "
-                f"(export {result.get('export_time_s')} s), sync {figures['sync_s'][-1]:.2f} s, "
-                f"wake {figures['wake_s'][-1]:.2f} s, engine-vs-trained logprob maxdiff {diff:.4f}"
-            )
-        channel.request_stop()
-        process.wait(timeout=120)
+        memory = await train_pass(engine, model, work / "memory", args, backend) if backend else []
+        if memory:
+            await engine.load_weights(model, 0)  # back to the initial weights for the disk pass
+        disk = await train_pass(engine, model, work / "disk", args, None)
     finally:
-        if process.poll() is None:
-            process.kill()
         await engine.stop()
+    device = "cpu" if args.cpu else "cuda"
+    last = disk[-1]
+    reference = score(Path(last["result"]["weights_dir"]), last["prompt"], last["tokens"], device)
+    engine_vs_trained = max(abs(a - b) for a, b in zip(last["logprobs"], reference, strict=True))
+    print(f"engine (disk reload) vs a transformers forward of the trained weights: {engine_vs_trained:.4f}")
+    memory_vs_disk = 0.0
+    if memory:
+        for mem, dsk in zip(memory, disk, strict=True):
+            if mem["tokens"] == dsk["tokens"]:
+                diffs = [abs(a - b) for a, b in zip(mem["logprobs"], dsk["logprobs"], strict=True)]
+                memory_vs_disk = max(memory_vs_disk, *diffs)
+            else:
+                memory_vs_disk = float("inf")
+        print(f"engine after memory sync vs after disk reload: maxdiff {memory_vs_disk:.4f}")
+    timed = memory or disk
     return {
-        "engine": "vllm" if use_vllm else "transformers",
-        "step_s": statistics.median(figures["step_s"]),
-        "sync_s": statistics.median(figures["sync_s"]),
-        "wake_s": statistics.median(figures["wake_s"]),
-        "logprob_maxdiff": max(figures["maxdiff"]),
+        "engine": f"vllm+{backend}" if backend else "transformers+disk",
+        "step_s": statistics.median(s["step_s"] for s in timed),
+        "sync_s": statistics.median(s["sync_s"] for s in timed),
+        "wake_s": statistics.median(s["wake_s"] for s in timed),
+        "logprob_maxdiff": max(engine_vs_trained, memory_vs_disk),
     }
 
 

@@ -74,21 +74,63 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = 256 * 2**20
 
 
+ALIGN = 64
+"""Byte alignment of each tensor inside a bucket, so any dtype can be viewed in place."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # position in the metadata
+    offset: int  # byte offset in its bucket
+    nbytes: int
+
+
 def buckets(
-    shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], bucket_bytes: int
-) -> list[tuple[torch.dtype, list[int]]]:
-    """Consecutive parameters of one dtype grouped up to ``bucket_bytes`` (a bigger tensor travels alone):
-    ``(dtype, indices)`` per bucket. Both sides compute the same partition from the same metadata."""
-    out: list[tuple[torch.dtype, list[int]]] = []
+    names: list[str], shapes: list, dtypes: list[torch.dtype], bucket_bytes: int
+) -> list[list[Piece]]:
+    """The transfer plan, computed alike on both sides from the same metadata: whole decoder layers (vLLM's
+    ``layerwise_groups``) packed into buckets of about ``bucket_bytes`` (a bigger layer travels alone).
+
+    A bucket never ends inside a layer, so each layer the engine receives is complete, processed and copied
+    into the model before the bucket's buffer is reused: both sides keep two buffers and reuse them for
+    every bucket of every sync (no new memory per sync, and the next bucket travels while one is loaded).
+    Tensors travel as raw bytes, so one bucket may hold several dtypes."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    index = {name: i for i, name in enumerate(names)}
+    plan: list[list[Piece]] = []
     size = 0
-    for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        if not out or out[-1][0] != dtype or size + nbytes > bucket_bytes:
-            out.append((dtype, []))
+    for group in layerwise_groups(names):
+        pieces = []
+        for name in group:
+            i = index[name]
+            nbytes = _numel(shapes[i]) * torch.empty((), dtype=dtypes[i]).element_size()
+            pieces.append((i, nbytes))
+        group_bytes = sum(-(-n // ALIGN) * ALIGN for _, n in pieces)
+        if not plan or size + group_bytes > bucket_bytes:
+            plan.append([])
             size = 0
-        out[-1][1].append(i)
-        size += nbytes
-    return out
+        for i, nbytes in pieces:
+            plan[-1].append(Piece(i, size, nbytes))
+            size += -(-nbytes // ALIGN) * ALIGN
+    return plan
+
+
+def bucket_size(bucket: list[Piece]) -> int:
+    last = bucket[-1]
+    return last.offset + last.nbytes
+
+
+class Buffers:
+    """Two reusable byte buffers, grown to the largest bucket (see `buckets`)."""
+
+    def __init__(self) -> None:
+        self._pair = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+
+    def get(self, which: int, nbytes: int) -> torch.Tensor:
+        if self._pair[which].numel() < nbytes:
+            self._pair[which] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._pair[which][:nbytes]
 
 
 def _numel(shape) -> int:
@@ -98,12 +140,13 @@ def _numel(shape) -> int:
     return n
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group, tensor: torch.Tensor):
+    """Start broadcasting ``tensor`` from the group's rank 0; the returned work is waited on later."""
     from torch.distributed import BroadcastOptions
 
     options = BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    return group.broadcast([tensor], options)
 
 
 def _open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, listen=None):
@@ -141,6 +184,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.bucket_bytes = 256 * 2**20
+        self.buffers = Buffers()
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.bucket_bytes = init_info.bucket_bytes
@@ -164,15 +208,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")
         shapes = [tuple(s) for s in update_info.shapes]
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
-        for dtype, indices in buckets(shapes, dtypes, self.bucket_bytes):
-            flat = torch.empty(sum(_numel(shapes[i]) for i in indices), dtype=dtype)
-            _broadcast(self.group, flat)
-            pieces, offset = [], 0
-            for i in indices:
-                n = _numel(shapes[i])
-                pieces.append((update_info.names[i], flat[offset : offset + n].view(shapes[i])))
-                offset += n
-            self.model.load_weights(pieces)
+        plan = buckets(update_info.names, shapes, dtypes, self.bucket_bytes)
+        pending = _broadcast(self.group, self.buffers.get(0, bucket_size(plan[0])))
+        for k, bucket in enumerate(plan):
+            pending.wait()
+            buffer = self.buffers.get(k % 2, bucket_size(bucket))
+            if k + 1 < len(plan):  # the next bucket travels while this one is loaded
+                pending = _broadcast(self.group, self.buffers.get((k + 1) % 2, bucket_size(plan[k + 1])))
+            self.model.load_weights(
+                (
+                    update_info.names[p.index],
+                    buffer[p.offset : p.offset + p.nbytes].view(dtypes[p.index]).view(shapes[p.index]),
+                )
+                for p in bucket
+            )
 
     def update_weights(self, update_info: dict) -> None:  # no device to synchronise on the CPU
         self.receive_weights(self.parse_update_info(update_info))
@@ -190,6 +239,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes = bucket_bytes
         self.group = None
+        self.buffers = Buffers()
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
@@ -246,15 +296,26 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _send(self, meta) -> None:
         tensors = self._checked(meta)
-        shapes = [tuple(m.shape) for m in meta]
+        names = [m.name for m in meta]
+        plan = buckets(names, [tuple(m.shape) for m in meta], [m.dtype for m in meta], self.bucket_bytes)
+        if [p.index for bucket in plan for p in bucket] != list(range(len(meta))):
+            raise ValueError("the weight source's metadata is not in decoder-layer order (layerwise_groups)")
         stall = int(os.environ.get(STALL_VAR, "-1"))
-        for sent, (dtype, indices) in enumerate(buckets(shapes, [m.dtype for m in meta], self.bucket_bytes)):
-            if sent == stall:  # tests: a sender that stops midway (killed while it waits here)
-                log.warning("%s=%d: stalling before bucket %d", STALL_VAR, stall, sent)
+        pending = None
+        for k, bucket in enumerate(plan):
+            if k == stall:  # tests: a sender that stops midway (killed while it waits here)
+                log.warning("%s=%d: stalling before bucket %d", STALL_VAR, stall, k)
                 time.sleep(3600)
-            parts = [next(tensors).reshape(-1).to("cpu", dtype) for _ in indices]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-            _broadcast(self.group, flat.contiguous())
+            buffer = self.buffers.get(k % 2, bucket_size(bucket))  # free: the bucket before the last is sent
+            for p in bucket:
+                tensor = next(tensors)
+                flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+                buffer[p.offset : p.offset + p.nbytes].copy_(flat)
+            if pending is not None:
+                pending.wait()
+            pending = _broadcast(self.group, buffer)
+        if pending is not None:
+            pending.wait()
 
     def _checked(self, meta) -> Iterator[torch.Tensor]:
         for i, (name, tensor) in enumerate(self.source):

@@ -168,8 +168,14 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
     milliseconds, too fast to kill in the middle), then is killed. The step ends with an error naming the
     ranks, the engine's receive gives up within weight_sync_timeout_s, and it serves again."""
     timeout_s = 15.0
-    config = TrainerConfig(zero_stage=2, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1,
-                           weight_sync_timeout_s=timeout_s)  # fmt: skip
+    config = TrainerConfig(
+        zero_stage=2,
+        ranks=2,
+        lr=3e-3,
+        micro_batch_tokens=64,
+        weight_sync_bucket_mb=1,
+        weight_sync_timeout_s=timeout_s,
+    )
     work = tmp_path / "killed"
     env = {**os.environ, weight_sync.BACKEND_VAR: "ajet_gloo", weight_sync.WORKERS_VAR: "1", STALL_VAR: "1"}
 

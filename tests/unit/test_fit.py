@@ -12,16 +12,37 @@ from ajet_hpc.config import load_topology
 from ajet_hpc.launch.cli import main
 from ajet_hpc.launch.fit import fit_issues, model_size, trainer_bytes_per_rank
 
-QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
-QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)  # fmt: skip
+QWEN_0_5B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+QWEN_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
 
 
 def write_model(folder: Path, shape: dict) -> Path:
     folder.mkdir(parents=True)
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "torch_dtype": "bfloat16", **shape}  # fmt: skip
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "torch_dtype": "bfloat16",
+        **shape,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
