@@ -32,6 +32,11 @@ def retie_output_head(model) -> bool:
     if embed is None or not hasattr(embed, "weight"):
         embed = model.model.embed_tokens
     head.tie_weights(embed)
+    if callable(getattr(embed, "cpu_linear", None)):
+        # on the CPU the embedding was just processed with the new values, and its pre-packed GEMM is the
+        # head's (the same matrix): share it rather than pack the vocabulary a second time
+        head.cpu_linear = embed.cpu_linear
+        return True
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
