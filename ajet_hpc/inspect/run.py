@@ -159,8 +159,8 @@ class Run:
 def load_tokenizer(run: Run, model: str):
     """The tokenizer of ``model`` (a transformers tokenizer), or ``None`` with the reason logged.
 
-    ``builtin:tiny`` is read from ``RUN/models/tiny`` (where the server built it) or built again (it is
-    deterministic); any other model from its local folder. Nothing is downloaded.
+    A built-in model's is read from ``RUN/models/<name>`` (where the server built it) or built again (it
+    is deterministic); any other model's from its local folder. Nothing is downloaded.
     """
     try:
         spec = run.topology.server(model).model
@@ -179,6 +179,10 @@ def load_tokenizer(run: Run, model: str):
             from ajet_hpc.engine.tiny import build_tokenizer
 
             return build_tokenizer()
+        if spec == "builtin:tiny-qwen":
+            from ajet_hpc.engine.tiny_qwen import build_tokenizer as build_qwen_tokenizer
+
+            return build_qwen_tokenizer()
     except Exception as exc:  # any failure to load only costs the decoded text
         log.warning("cannot load the tokenizer of %r from %s (%s): showing token ids", model, path, exc)
         return None
