@@ -1,15 +1,12 @@
 """The built-in tiny model (``model: builtin:tiny``): built locally, no download, any machine.
 
 A character-level tokenizer (printable ASCII, newline, tab, the chat markers and tool-call tags) and a
-randomly initialised two-layer Llama. Untied input/output embeddings: vLLM's in-place weight reload
-breaks a tie (see docs). head_dim is 64 because vLLM's CPU attention kernels refuse 16.
+randomly initialised two-layer Llama with untied input/output embeddings (``builtin:tiny-qwen`` is the
+tied one). head_dim is 64 because vLLM's CPU attention kernels refuse 16.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -102,21 +99,12 @@ def build_model(vocab_size: int, seed: int = 0):
 
 def build_tiny_model(dest: Path, seed: int = 0) -> Path:
     """Write tokenizer + model to ``dest`` (a folder vLLM, transformers and DeepSpeed load as a model
-    path). Built in a temporary sibling and renamed, so a crash never leaves half a model."""
-    dest = Path(dest)
-    if (dest / "config.json").is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    path), built in a temporary sibling and renamed; an existing model there is kept."""
+    from ajet_hpc.engine.model_path import write_model_folder
+
+    def write(folder: Path) -> None:
         tokenizer = build_tokenizer()
-        tokenizer.save_pretrained(tmp)
-        build_model(len(tokenizer), seed).save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process won the race: keep theirs
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+        tokenizer.save_pretrained(folder)
+        build_model(len(tokenizer), seed).save_pretrained(folder, safe_serialization=True)
+
+    return write_model_folder(Path(dest), write)
