@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import REPO
 
+from ajet_hpc.launch.cli import main
 from ajet_hpc.launch.placement import (
     RANK_GPUS_VAR,
     PlacementError,
@@ -110,3 +112,18 @@ def test_each_process_sees_its_own_gpus() -> None:
         select_devices(["0", "1"], [2], "trainer rank")
     with pytest.raises(RuntimeError, match="no GPU for it"):
         bind_rank_gpu({RANK_GPUS_VAR: placement.rank_gpus_json()}, node=1, local_rank=0)
+
+
+def test_the_dry_run_prints_the_placement_and_refuses_impossible_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(REPO / "configs" / "quickstart.yaml")
+    assert main([config, "servers.policy.gpus_per_node=8", "servers.policy.engine_gpus=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "placement of server policy (1 node(s) x 8 GPU(s), split):" in out
+    assert "  node 0: engine on GPU 0,1, tensor parallel 2; ranks 0→GPU 2, 1→GPU 3" in out
+    assert main([config, "servers.policy.gpus_per_node=8", "servers.policy.engine_gpus=8", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "servers[0].engine_gpus: 8 leaves no GPU for the trainer on 1 node of 8 GPUs" in err
+    assert main([config, "servers.policy.placement=colocate", "--dry-run"]) == 2  # quickstart: CPUs only
+    assert "servers[0].placement: colocate needs GPUs" in capsys.readouterr().err
