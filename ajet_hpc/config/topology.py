@@ -31,7 +31,7 @@ from ajet_hpc.config.fields import (
     TaskSource,
     slurm_time_minutes,
 )
-from ajet_hpc.launch.placement import Placement, PlacementError, plan_placement
+from ajet_hpc.config.placement import Placement, PlacementError, plan_placement
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
 

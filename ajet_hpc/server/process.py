@@ -15,11 +15,11 @@ from collections.abc import Mapping
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.config.placement import Placement, select_devices, visible_devices
 from ajet_hpc.config.topology import co_trained, mix_of, server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
-from ajet_hpc.launch.placement import Placement, select_devices, visible_devices
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import preemption
 from ajet_hpc.server.app import ServerContext, create_app

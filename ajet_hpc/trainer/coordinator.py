@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
+from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
-from ajet_hpc.launch.placement import Placement
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats

@@ -1,6 +1,6 @@
 """Start the trainer's ranks next to the coordinator: torchrun on one node, srun across nodes.
 
-How many ranks run on each node, and on which GPUs, is the server's placement (``launch/placement.py``).
+How many ranks run on each node, and on which GPUs, is the server's placement (``config/placement.py``).
 
 One node (Slurm or not): ``python -m torch.distributed.run --standalone --nproc_per_node=<ranks> -m
 ajet_hpc.trainer.worker ...`` (``--standalone`` makes torchrun pick a free rendezvous port itself).
@@ -30,8 +30,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
-from ajet_hpc.launch.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.trainer.distributed import slurm_hostnames
 from ajet_hpc.trainer.protocol import WorkDir
 

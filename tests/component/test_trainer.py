@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
 from ajet_hpc.algo.samples import Sample, collate
+from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
-from ajet_hpc.launch.placement import cpu_placement
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks

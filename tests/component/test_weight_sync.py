@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.samples import Sample
+from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.weight_transfer import STALL_VAR
-from ajet_hpc.launch.placement import cpu_placement
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir

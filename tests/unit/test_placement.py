@@ -8,8 +8,7 @@ import json
 import pytest
 from support import REPO
 
-from ajet_hpc.launch.cli import main
-from ajet_hpc.launch.placement import (
+from ajet_hpc.config.placement import (
     RANK_GPUS_VAR,
     PlacementError,
     bind_rank_gpu,
@@ -18,6 +17,7 @@ from ajet_hpc.launch.placement import (
     select_devices,
     visible_devices,
 )
+from ajet_hpc.launch.cli import main
 
 
 def place(nodes: int, gpus: int, mode: str = "split", engine: int = 1, ranks: int = 1, trains: bool = True):

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 from ajet_hpc.algo import merge  # noqa: E402
 from ajet_hpc.algo.samples import Sample  # noqa: E402
 from ajet_hpc.config import TrainerConfig  # noqa: E402
+from ajet_hpc.config.placement import cpu_placement  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
-from ajet_hpc.launch.placement import cpu_placement  # noqa: E402
 from ajet_hpc.trainer.launch import start_ranks  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel  # noqa: E402
 
