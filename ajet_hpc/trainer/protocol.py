@@ -246,7 +246,8 @@ def staging_dir(work: WorkDir, step: int) -> Path:
 def discard_after(work: WorkDir, step: int) -> list[str]:
     """Remove what an abandoned run left past ``step`` (the step the ranks resume at): weight folders,
     DeepSpeed tags and results of later steps. Batches in the inbox stay (the coordinator may have
-    submitted the next one already). Returns the removed paths, relative to the work dir."""
+    submitted the next one already). Returns the removed paths, relative to the work dir (weight exports
+    on node-local storage: whole)."""
     removed = []
     for folder in (work.weights, work.ds, work.outbox):
         if not folder.is_dir():
@@ -259,7 +260,7 @@ def discard_after(work: WorkDir, step: int) -> list[str]:
                 shutil.rmtree(path)
             else:
                 path.unlink()
-            removed.append(str(path.relative_to(work.root)))
+            removed.append(str(path.relative_to(work.root)) if path.is_relative_to(work.root) else str(path))
     return removed
 
 

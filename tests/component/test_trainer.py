@@ -30,6 +30,7 @@ from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, read_batch, write_error
 from ajet_hpc.trainer.step import plan_micro_batches
+from ajet_hpc.trainer.worker import export_root
 
 LR = 1e-3
 BUDGET = 48  # micro_batch_tokens: the plan below gives the ranks 1 and 2 micro-batches
@@ -312,7 +313,9 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     finally:
         first.kill()
 
-    work = WorkDir(tmp_path)
+    work = WorkDir(tmp_path, export_root=export_root(tmp_path))
+    assert work.weights != tmp_path / "weights"  # exports go to node-local storage, not the work dir
+    assert Path(result1["weights_dir"]).parent == work.weights
     shutil.rmtree(work.weights_dir(1))  # the resumed ranks export the checkpoint's weights again
     second = Ranks(tmp_path, tiny_model, config)
     try:
