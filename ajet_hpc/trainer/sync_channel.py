@@ -110,10 +110,22 @@ class SyncServer:
     """The server process's side: answers the rank's calls by running them on the engine, one at a time in
     the order sent. ``handler(method, argument)`` is the engine's coroutine for the call."""
 
-    def __init__(self, folder: Path, handler: Handler, poll_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        handler: Handler,
+        poll_s: float = 0.01,
+        idle_poll_s: float = 0.1,
+        busy_s: float = 2.0,
+    ) -> None:
+        """Calls are looked for every ``poll_s`` within ``busy_s`` of the last one (the calls of a sync come
+        in a burst), else every ``idle_poll_s``: a run of days lists the folder ten times a second, not a
+        hundred, on shared storage."""
         self.folder = Path(folder)
-        self.handler, self.poll_s = handler, poll_s
+        self.handler = handler
+        self.poll_s, self.idle_poll_s, self.busy_s = poll_s, idle_poll_s, busy_s
         self.busy_since: float | None = None  # monotonic time the call in progress began
+        self._last_call = float("-inf")
 
     async def serve(self) -> None:
         """Run until cancelled."""
@@ -121,10 +133,12 @@ class SyncServer:
         while True:
             calls = sorted(self.folder.glob("call-*.pkl"))
             if not calls:
-                await asyncio.sleep(self.poll_s)
+                recent = time.monotonic() - self._last_call < self.busy_s
+                await asyncio.sleep(self.poll_s if recent else self.idle_poll_s)
                 continue
             for path in calls:
                 await self._answer(path)
+            self._last_call = time.monotonic()
 
     async def _answer(self, path: Path) -> None:
         call = _read(path)
