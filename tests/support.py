@@ -78,3 +78,24 @@ def run_module(module: str, *args: str, timeout_s: float = 180) -> subprocess.Co
         timeout=timeout_s,
         check=False,
     )
+
+
+def tied_copy(model_dir: Path, dest: Path, sigma: float = 0.0, seed: int = 2) -> Path:
+    """``model_dir`` (an untied model, e.g. builtin:tiny) saved to ``dest`` with its output head tied to the
+    input embedding (the shape of Qwen2.5 0.5B-3B and Llama-3.2 1B/3B), every weight moved by N(0, sigma)
+    noise; its tokenizer files copied along."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * sigma)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(dest)
+    for extra in [*Path(model_dir).glob("tokenizer*"), Path(model_dir) / "chat_template.jinja"]:
+        (Path(dest) / extra.name).write_bytes(extra.read_bytes())
+    return Path(dest)

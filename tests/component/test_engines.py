@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import tied_copy
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.engine.base import Chunk, Engine, PromptTooLong, SamplingParams, generate_all
@@ -322,24 +323,9 @@ def test_vllm_reload_mid_request_switches_weights_between_tokens(
 
 @pytest.fixture(scope="module")
 def tied_pair(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny model with its output head tied to the input embedding, and that model perturbed: the
-    shape of Qwen2.5 0.5B-3B and Llama-3.2 1B/3B."""
-    folders = []
-    for name, sigma in (("tied", 0.0), ("tied-perturbed", 0.05)):
-        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-        model.config.tie_word_embeddings = True
-        model.lm_head.weight = model.model.embed_tokens.weight
-        noise = torch.Generator().manual_seed(2)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(torch.randn(param.shape, generator=noise) * sigma)
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-        dest = tmp_path_factory.mktemp(name)
-        model.save_pretrained(dest)
-        for extra in [*tiny.glob("tokenizer*"), tiny / "chat_template.jinja"]:
-            (dest / extra.name).write_bytes(extra.read_bytes())
-        folders.append(dest)
-    return folders[0], folders[1]
+    """The tiny model with its output head tied to the input embedding, and that model perturbed."""
+    tied = tied_copy(tiny, tmp_path_factory.mktemp("tied"))
+    return tied, tied_copy(tiny, tmp_path_factory.mktemp("tied-perturbed"), sigma=0.05)
 
 
 def test_vllm_loads_tied_embeddings_in_place(run: Run, tied_pair: tuple[Path, Path], score) -> None:

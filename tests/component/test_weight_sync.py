@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import tied_copy
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.samples import Sample
@@ -48,14 +49,7 @@ def loop():
 def model(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if request.param == "untied":
         return tiny_model
-    tied = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    tied.config.tie_word_embeddings = True
-    tied.lm_head.weight = tied.model.embed_tokens.weight
-    dest = tmp_path_factory.mktemp("tied")
-    tied.save_pretrained(dest)
-    for extra in [*tiny_model.glob("tokenizer*"), tiny_model / "chat_template.jinja"]:
-        (dest / extra.name).write_bytes(extra.read_bytes())
-    return dest
+    return tied_copy(tiny_model, tmp_path_factory.mktemp("tied"))
 
 
 @pytest.fixture(scope="module")
