@@ -6,8 +6,14 @@ at once, in threads (agents are plain blocking functions). When a server goes aw
 waits for the server's rendezvous (it may come back on another node) and runs the episode again.
 
 A (task, repeat) committed in any store of the group (every index, also those of an earlier array size)
-is not run again. On SIGTERM (a cancel, or a hot swap of the group) the task begins no new episode, aborts
-its open ones with a reason, closes its store and exits.
+is not run again. Neither is one the servers already ended (the task died between the server's answer to
+``end`` and its own commit, or the answer was lost): the task asks its servers which keys of its group
+ended (``GET /v1/episodes/ended``), at its start and whenever a server comes back, and commits their
+recorded results instead; a server also refuses to begin an ended key and answers a second end of one
+with the first one's result.
+
+On SIGTERM (a cancel, or a hot swap of the group) the task begins no new episode, aborts its open ones
+with a reason, closes its store and exits.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from ajet_hpc.client.session import (
     ClientStopping,
     EpisodeAPI,
     EpisodeRejected,
+    KeyEnded,
     ServerAway,
     TrainingFinished,
 )
 from ajet_hpc.client.tasks import import_entry, open_source, shard
 from ajet_hpc.config import ClientGroupConfig, Topology
+from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, read_results
@@ -61,17 +69,11 @@ def resolve_index(explicit: int | None) -> int:
     return int(os.environ.get("SLURM_PROCID", "0"))
 
 
-def episode_repeats(topology: Topology, group: ClientGroupConfig) -> int:
-    if group.repeats is not None:
-        return group.repeats
-    trainer = topology.server(group.servers[0]).trainer
-    return trainer.repeats if trainer is not None else 1
-
-
 @dataclass
 class Tally:
     finished: int = 0
     aborted: int = 0
+    recovered: int = 0  # committed from a server's recorded result, not run again
     rewards: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -89,6 +91,8 @@ class GroupTask:
         self.started = threading.Event()  # episodes have begun to run (set before the first one)
         self.stopping = threading.Event()  # SIGTERM: drain and leave
         self.tally = Tally()
+        self.ended: dict[str, dict[tuple[str, int], dict]] = {}  # server -> keys it ended, with results
+        self.ends = 0  # episodes ended at every server (the test hook counts them)
         store_path = run.client_store_dir(group.name) / f"{index}.h5"
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = ClientStore.open(store_path, group=group.name, index=index)
@@ -136,12 +140,13 @@ class GroupTask:
                 self.group.name,
             )
         done |= elsewhere
+        self.refresh_ended()
         slots = threading.BoundedSemaphore(self.group.in_flight)
         self.started.set()
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
             for task in tasks:
                 for repeat in range(self.repeats):
-                    if (task.id, repeat) in done:
+                    if (task.id, repeat) in done or self.commit_recorded(task, repeat):
                         continue
                     slots.acquire()
                     if self.finished.is_set():
@@ -154,11 +159,25 @@ class GroupTask:
         return self.tally
 
     def episode(self, task: Task, repeat: int) -> None:
-        """Run one episode to its end, again from the start each time a server goes away or drops it."""
+        """Run one episode to its end, again from the start each time a server goes away or drops it
+        (unless the servers ended it meanwhile: then their recorded result is committed)."""
         rejected = 0
+        retry = False
         while not self.finished.is_set():
             try:
+                if retry:
+                    self.refresh_ended()
+                    if self.commit_recorded(task, repeat):
+                        return
+                retry = True
                 self._attempt(task, repeat)
+                return
+            except KeyEnded as exc:
+                self.refresh_ended()
+                if not self.commit_recorded(task, repeat):
+                    log.error(
+                        "task %s repeat %d: %s, but not at every server of the group", task.id, repeat, exc
+                    )
                 return
             except EpisodeRejected as exc:
                 rejected += 1
@@ -180,10 +199,51 @@ class GroupTask:
                 log.exception("task %s repeat %d failed", task.id, repeat)
                 return
 
+    def refresh_ended(self) -> None:
+        """Ask every server of the group which of the group's keys it ended (waiting for absent ones)."""
+        for name in self.group.servers:
+            while True:
+                api = self.connect(name)
+                try:
+                    self.ended[name] = api.ended(self.group.name)
+                    break
+                except ServerAway as exc:
+                    log.warning("server %s away while asked for its ended episodes (%s)", name, exc)
+                    self.connect(name, known_url=api.url)
+
+    def commit_recorded(self, task: Task, repeat: int) -> bool:
+        """Commit the result the servers recorded for (task, repeat), when every one of them ended it."""
+        found = {name: self.ended.get(name, {}).get((task.id, repeat)) for name in self.group.servers}
+        if any(info is None for info in found.values()):
+            return False
+        first = found[self.group.servers[0]]
+        self.store.commit(
+            Result(
+                task_id=task.id,
+                repeat=repeat,
+                reward=float(first["reward"] or 0.0),
+                rewards={name: float(info["reward"] or 0.0) for name, info in found.items()},
+                episode_ids={name: info["episode_id"] for name, info in found.items()},
+                transcript=None,
+                metadata={"recovered": True},
+                finished_at=max(float(info["ended_at"]) for info in found.values()),
+            )
+        )
+        log.info(
+            "task %s repeat %d ended at the server(s) before (episode %s): committed, not run again",
+            task.id,
+            repeat,
+            first["episode_id"],
+        )
+        with self.tally.lock:
+            self.tally.recovered += 1
+        return True
+
     def _attempt(self, task: Task, repeat: int) -> None:
         meta = {"repeat": repeat, "client": self.index, "agent": self.group.agent}
         begun = {
-            name: self.connect(name).begin(task.id, self.group.name, meta) for name in self.group.servers
+            name: self.connect(name).begin(task.id, self.group.name, meta, repeat)
+            for name in self.group.servers
         }
         handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
         try:
@@ -204,21 +264,39 @@ class GroupTask:
             with self.tally.lock:
                 self.tally.aborted += 1
             return
-        for name, b in begun.items():  # each model's episode ends with that model's own reward
-            self.connect(name).end(
-                b["episode_id"], outcome.reward_for(name), outcome.turn_rewards_for(name), outcome.metadata
+        key = (self.group.name, task.id, repeat)
+        ended = {  # each model's episode ends with that model's own reward
+            name: self.connect(name).end(
+                b["episode_id"],
+                outcome.reward_for(name),
+                outcome.turn_rewards_for(name),
+                outcome.metadata,
+                key=key,
             )
+            for name, b in begun.items()
+        }
+        _test_exit_after_end(self)
+        duplicate = [
+            name
+            for name, e in ended.items()
+            if e.get("duplicate") and e["episode_id"] != begun[name]["episode_id"]
+        ]
+        if duplicate:  # a server had this key from an earlier run: its result is the one that counts
+            log.warning(
+                "task %s repeat %d had ended before at %s: committing that result", task.id, repeat, duplicate
+            )
+        first = ended[self.group.servers[0]]
         self.store.commit(
             Result(
                 task_id=task.id,
                 repeat=repeat,
-                reward=outcome.reward,
-                rewards={name: outcome.reward_for(name) for name in begun},
-                episode_ids={name: b["episode_id"] for name, b in begun.items()},
+                reward=float(first["reward"]) if duplicate else outcome.reward,
+                rewards={name: float(e["reward"]) for name, e in ended.items()},
+                episode_ids={name: e["episode_id"] for name, e in ended.items()},
                 transcript=None
-                if outcome.transcript is None
+                if outcome.transcript is None or duplicate
                 else json.dumps(outcome.transcript, default=str),
-                metadata=outcome.metadata,
+                metadata={**outcome.metadata, "recovered": True} if duplicate else outcome.metadata,
                 finished_at=time.time(),
             )
         )
@@ -237,6 +315,26 @@ class GroupTask:
             self.connect(server).abort(episode_id, reason)
         except (ServerAway, EpisodeRejected) as exc:
             log.info("abort of %s not delivered: %s", episode_id, exc)
+
+
+TEST_EXIT_AFTER_END = "AJET_TEST_EXIT_AFTER_END"
+"""Test hook (chaos tests only): ``N``: the task exits like a kill -9 right after its N-th episode ended at
+the servers and before its own commit, once per run directory (a real kill cannot be timed there)."""
+
+
+def _test_exit_after_end(task: GroupTask) -> None:
+    wanted = os.environ.get(TEST_EXIT_AFTER_END)
+    if not wanted:
+        return
+    with task.tally.lock:
+        task.ends += 1
+        count = task.ends
+    marker = task.rundir.root / f".test-exit-after-end-{task.group.name}-{task.index}"
+    if count == int(wanted) and not marker.exists():
+        marker.touch()
+        log.warning("test hook %s: exiting between end and commit", TEST_EXIT_AFTER_END)
+        logging.shutdown()
+        os._exit(137)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -311,11 +409,13 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
         worker.store.close()
     mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
     log.info(
-        "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted",
+        "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted, %d committed from the "
+        "servers' records",
         group.name,
         index,
         tally.finished,
         mean,
         tally.aborted,
+        tally.recovered,
     )
     return 0

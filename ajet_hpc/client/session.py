@@ -30,6 +30,10 @@ class ClientStopping(RuntimeError):
     """This client task is being stopped: it begins no new episode."""
 
 
+class KeyEnded(EpisodeRejected):
+    """The server already ended this (task, repeat) of the group: commit its recorded result instead."""
+
+
 class EpisodeAPI:
     def __init__(self, url: str, secret: str, timeout_s: float = 600.0) -> None:
         self.url = url
@@ -50,6 +54,8 @@ class EpisodeAPI:
             raise ServerAway(f"{self.url}: {type(exc).__name__}") from exc
         if reply.status_code == 409 and "training_finished" in reply.text:
             raise TrainingFinished(reply.json()["error"]["message"])
+        if reply.status_code == 409 and "episode_key_ended" in reply.text:
+            raise KeyEnded(reply.json()["error"]["message"])
         if reply.status_code in (404, 409):
             raise EpisodeRejected(reply.json().get("error", {}).get("message", reply.text))
         if reply.status_code >= 500:
@@ -57,10 +63,13 @@ class EpisodeAPI:
         reply.raise_for_status()
         return reply.json()
 
-    def begin(self, task_id: str, group: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    def begin(
+        self, task_id: str, group: str, metadata: dict[str, Any], repeat: int | None = None
+    ) -> dict[str, Any]:
         if self._stopping is not None:
             raise ClientStopping(self._stopping)
-        reply = self._post("/v1/episodes", {"task_id": task_id, "group": group, "metadata": metadata})
+        body = {"task_id": task_id, "group": group, "repeat": repeat, "metadata": metadata}
+        reply = self._post("/v1/episodes", body)
         with self._lock:
             stopping = self._stopping
             if stopping is None:
@@ -71,12 +80,35 @@ class EpisodeAPI:
             raise ClientStopping(stopping)
         return reply
 
-    def end(self, episode_id: str, reward: float, turn_rewards: list[float] | None, metadata: dict) -> None:
-        body = {"reward": reward, "turn_rewards": turn_rewards, "metadata": metadata}
+    def end(
+        self,
+        episode_id: str,
+        reward: float,
+        turn_rewards: list[float] | None,
+        metadata: dict,
+        key: tuple[str, str, int] | None = None,
+    ) -> dict[str, Any]:
+        """End an episode; the server's summary of the episode that holds its key (``key``: (group, task,
+        repeat), checked by the server): another one's, with ``duplicate``, when that key had ended."""
+        body: dict[str, Any] = {"reward": reward, "turn_rewards": turn_rewards, "metadata": metadata}
+        if key is not None:
+            body.update(group=key[0], task_id=key[1], repeat=key[2])
         try:
-            self._post(f"/v1/episodes/{episode_id}/end", body)
+            return self._post(f"/v1/episodes/{episode_id}/end", body)
         finally:
             self._forget(episode_id)
+
+    def ended(self, group: str) -> dict[tuple[str, int], dict[str, Any]]:
+        """(task id, repeat) -> recorded result (episode_id, reward, ended_at) of every key of ``group`` the
+        server has ended."""
+        try:
+            reply = self._http.get("/v1/episodes/ended", params={"group": group})
+        except httpx.TransportError as exc:
+            raise ServerAway(f"{self.url}: {type(exc).__name__}") from exc
+        if reply.status_code >= 500:
+            raise ServerAway(f"{self.url}: HTTP {reply.status_code}")
+        reply.raise_for_status()
+        return {(e["task_id"], e["repeat"]): e for e in reply.json()["ended"]}
 
     def abort(self, episode_id: str, reason: str) -> None:
         try:

@@ -450,6 +450,20 @@ def mix_of(topology: Topology, server: str) -> dict[str, float] | None:
     return {c.name: c.ratio or 0.0 for c in groups}
 
 
+def episode_repeats(topology: Topology, group: ClientGroupConfig) -> int:
+    """Episodes a client group runs per task: its ``repeats``, else its first server's ``trainer.repeats``
+    (1 when that server only serves)."""
+    if group.repeats is not None:
+        return group.repeats
+    trainer = topology.server(group.servers[0]).trainer
+    return trainer.repeats if trainer is not None else 1
+
+
+def repeats_feeding(topology: Topology, server: str) -> dict[str, int]:
+    """Client group -> episodes per task, for every group whose agents use ``server``."""
+    return {c.name: episode_repeats(topology, c) for c in topology.clients if server in c.servers}
+
+
 def co_trained(topology: Topology, server: str) -> list[str]:
     """The other trainable servers that share a client group with ``server`` (their agents use both)."""
     names: dict[str, None] = {}

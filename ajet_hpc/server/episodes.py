@@ -4,6 +4,13 @@ An episode is open from ``begin`` until ``end`` (finished), ``abort`` (aborted) 
 without a call (dropped, reported so that its task is run again). A closed episode is immutable: a late
 ``end`` or chat call for it is refused with 409. Closed episodes are handed to the sinks registered with
 ``on_closed`` (the batch collector and the store) and kept as summaries for ``/v1/status``.
+
+Exactly once: an episode begun with a task id, a client group and a repeat has a key. The registry
+remembers every key that ended (restored from the server store after a restart, ``restore_ended``): a
+begin of an ended key is refused with the recorded result (409 ``episode_key_ended``), and an end of a
+second episode of an ended key closes that episode as aborted and answers with the first one's result, so
+that only one episode per key is ever trained. Ending the same episode twice with the same reward answers
+the recorded result again (a retry after a lost answer); with another reward it is refused.
 """
 
 from __future__ import annotations
@@ -28,14 +35,36 @@ log = logging.getLogger(__name__)
 
 OPEN, FINISHED, ABORTED, DROPPED = "open", "finished", "aborted", "dropped"
 
+Key = tuple[str, str, int]
+"""(client group, task id, repeat): what a client runs once and the trainer trains once."""
+
+
+@dataclass(slots=True)
+class Ended:
+    """What the registry keeps of a key that ended: the result it recorded (compact: a run holds many)."""
+
+    episode_id: str
+    reward: float | None
+    started_at: float
+    ended_at: float
+    calls: int
+    policy_versions: list[int]
+
+
+def episode_key(task_id: str | None, group: str | None, repeat: int | None) -> Key | None:
+    if task_id is None or group is None or repeat is None:
+        return None
+    return (group, task_id, int(repeat))
+
 
 @dataclass
 class Episode:
     episode_id: str
     model: str
-    tracker: ContextTracker
+    tracker: ContextTracker | None  # None for an episode restored from the store (its timelines given)
     task_id: str | None = None
     group: str | None = None
+    repeat: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     state: str = OPEN
     started_at: float = field(default_factory=time.time)
@@ -45,10 +74,17 @@ class Episode:
     turn_rewards: list[float] | None = None
     reason: str | None = None
     ended_at: float | None = None
+    stored_timelines: list[Timeline] | None = None
 
     @property
     def timelines(self) -> list[Timeline]:
+        if self.tracker is None:
+            return self.stored_timelines or []
         return self.tracker.timelines
+
+    @property
+    def key(self) -> Key | None:
+        return episode_key(self.task_id, self.group, self.repeat)
 
     def summary(self) -> EpisodeSummary:
         timelines = self.timelines
@@ -57,6 +93,7 @@ class Episode:
             state=self.state,  # type: ignore[arg-type]
             task_id=self.task_id,
             group=self.group,
+            repeat=self.repeat,
             reward=self.reward,
             turn_rewards=self.turn_rewards,
             calls=len(timelines),
@@ -90,18 +127,37 @@ class EpisodeRegistry:
         self.counts: Counter[str] = Counter()
         self.dropped_recent: deque[EpisodeSummary] = deque(maxlen=50)
         self._sinks: list[Callable[[Episode], None]] = []
+        self._ended: dict[Key, Ended] = {}
+        self._ended_per_task: Counter[tuple[str, str]] = Counter()
 
     def on_closed(self, sink: Callable[[Episode], None]) -> None:
         self._sinks.append(sink)
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def begin(self, task_id: str | None, group: str | None, metadata: dict[str, Any]) -> Episode:
+    def begin(
+        self, task_id: str | None, group: str | None, metadata: dict[str, Any], repeat: int | None = None
+    ) -> Episode:
+        """A new open episode. ``repeat`` defaults to ``metadata["repeat"]`` (how clients sent it before
+        it was a field); with task and group it makes the key, which must not have ended yet."""
+        if repeat is None and isinstance(metadata.get("repeat"), int) and metadata["repeat"] >= 0:
+            repeat = metadata["repeat"]
+        key = episode_key(task_id, group, repeat)
+        if key is not None and key in self._ended:
+            ended = self._ended[key]
+            raise Conflict(
+                f"task {task_id!r} repeat {repeat} of group {group!r} already ended as episode "
+                f"{ended.episode_id} (reward {ended.reward}); it is not run again",
+                code="episode_key_ended",
+            )
+        if repeat is not None:
+            metadata = {**metadata, "repeat": repeat}
         episode = Episode(
             episode_id=f"ep-{uuid.uuid4().hex}",
             model=self.model,
             tracker=ContextTracker(self.tokenizer(), keep_history=self.keep_history),
             task_id=task_id,
             group=group,
+            repeat=repeat,
             metadata=dict(metadata),
         )
         self._open[episode.episode_id] = episode
@@ -127,8 +183,29 @@ class EpisodeRegistry:
         task_id: str | None,
         turn_rewards: list[float] | None,
         metadata: dict[str, Any],
-    ) -> Episode:
-        episode = self.get_open(episode_id)
+        group: str | None = None,
+        repeat: int | None = None,
+    ) -> EpisodeSummary:
+        """Finish an episode; the summary of the episode that holds its key (``duplicate`` set when that is
+        an earlier one, or when this episode had already ended with the same reward)."""
+        episode = self.lookup(episode_id)
+        if episode.state == FINISHED and episode.reward == reward and episode.turn_rewards == turn_rewards:
+            return episode.summary().model_copy(update={"duplicate": True})  # a retried end
+        if episode.state != OPEN:
+            raise Conflict(_closed_message(episode), param="episode_id", code=f"episode_{episode.state}")
+        for name, given, held in (("task_id", task_id, episode.task_id), ("group", group, episode.group)):
+            if given is not None and held is not None and given != held:
+                raise Conflict(
+                    f"episode {episode_id} belongs to {name} {held!r}, not {given!r}; nothing was changed",
+                    param=name,
+                    code="episode_key_mismatch",
+                )
+        if repeat is not None and episode.repeat is not None and repeat != episode.repeat:
+            raise Conflict(
+                f"episode {episode_id} is repeat {episode.repeat}, not {repeat}; nothing was changed",
+                param="repeat",
+                code="episode_key_mismatch",
+            )
         if episode.calls_in_flight:
             raise Conflict(
                 f"episode {episode_id} still has {episode.calls_in_flight} call(s) in flight; end it after "
@@ -142,20 +219,91 @@ class EpisodeRegistry:
                 "answers (one per answer, in order; a call with n answers counts n)",
                 param="turn_rewards",
             )
-        if task_id is not None and episode.task_id is not None and task_id != episode.task_id:
-            raise BadRequest(
-                f"task_id {task_id!r} differs from {episode.task_id!r} given at begin", param="task_id"
+        key = episode.key
+        if key is not None and key in self._ended:  # another episode of this key ended first: it counts
+            ended = self._ended[key]
+            self._close(episode, ABORTED, f"a second run of a key that episode {ended.episode_id} ended")
+            log.warning(
+                "episode %s: task %s repeat %d of group %s already ended as %s; this run is not trained",
+                episode_id,
+                key[1],
+                key[2],
+                key[0],
+                ended.episode_id,
             )
+            return self.ended_summary(key)
         episode.reward, episode.turn_rewards = reward, turn_rewards
         episode.task_id = task_id or episode.task_id
         episode.metadata.update(metadata)
+        if episode.key is not None:
+            self._remember(episode.key, episode)
         self._close(episode, FINISHED, None)
-        return episode
+        return episode.summary()
 
     def abort(self, episode_id: str, reason: str) -> Episode:
         episode = self.get_open(episode_id)
         self._close(episode, ABORTED, reason)
         return episode
+
+    # ------------------------------------------------------------------------------------------ keys
+    def _remember(self, key: Key, episode: Episode) -> None:
+        timelines = episode.timelines
+        self._ended[key] = Ended(
+            episode_id=episode.episode_id,
+            reward=episode.reward,
+            started_at=episode.started_at,
+            ended_at=time.time(),
+            calls=len(timelines),
+            policy_versions=sorted({t.policy_version for t in timelines}),
+        )
+        self._ended_per_task[key[:2]] += 1
+
+    def restore_ended(self, summaries: list[dict[str, Any]]) -> int:
+        """Remember the keys of finished episodes from the server store (``EpisodeReader.summaries``);
+        returns how many keys that made."""
+        before = len(self._ended)
+        for s in summaries:
+            repeat = (s.get("metadata") or {}).get("repeat")
+            key = episode_key(s.get("task_id"), s.get("group"), repeat if isinstance(repeat, int) else None)
+            if s.get("state") != FINISHED or key is None or key in self._ended:
+                continue
+            self._ended[key] = Ended(
+                episode_id=s["episode_id"],
+                reward=s.get("reward"),
+                started_at=float(s.get("started_at") or 0.0),
+                ended_at=float(s.get("ended_at") or 0.0),
+                calls=int(s.get("calls") or 0),
+                policy_versions=list(s.get("policy_versions") or []),
+            )
+            self._ended_per_task[key[:2]] += 1
+        return len(self._ended) - before
+
+    def ended_summary(self, key: Key) -> EpisodeSummary:
+        """The recorded result of an ended key, as the answer to a repeated end."""
+        ended = self._ended[key]
+        return EpisodeSummary(
+            episode_id=ended.episode_id,
+            state=FINISHED,
+            task_id=key[1],
+            group=key[0],
+            repeat=key[2],
+            reward=ended.reward,
+            turn_rewards=None,
+            calls=ended.calls,
+            policy_versions=ended.policy_versions,
+            drift=0,
+            started_at=ended.started_at,
+            ended_at=ended.ended_at,
+            duplicate=True,
+        )
+
+    def ended_keys(self, group: str) -> list[tuple[Key, Ended]]:
+        """Every ended key of a client group, with its recorded result."""
+        return [(key, ended) for key, ended in self._ended.items() if key[0] == group]
+
+    def ended_count(self, group: str, task_id: str) -> int:
+        """How many repeats of one task of a group have ended (trained, waiting, or dropped as stale)."""
+        return self._ended_per_task[(group, task_id)]
 
     def sweep(self, now: float | None = None) -> list[Episode]:
         """Drop open episodes idle for longer than the timeout (none with a call in flight)."""

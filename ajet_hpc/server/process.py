@@ -16,7 +16,7 @@ import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import co_trained, mix_of, server_placement
+from ajet_hpc.config.topology import co_trained, mix_of, repeats_feeding, server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
@@ -24,6 +24,7 @@ from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
+from ajet_hpc.server.recovery import stored_summaries
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
@@ -214,12 +215,19 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         public_url=f"http://{host}:{port}",
     )
     ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
+    stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
+    restored = ctx.episodes.restore_ended(stored)
+    if restored:
+        log.info("%d episode keys ended before this start (from %s)", restored, ctx.recorder.path)
     if config.trainer is not None:
         mix = mix_of(topology, config.name)
         coordinator = Coordinator(
             ctx, config, model_path, run.root, on_slurm=job.on_slurm, mix=mix, placement=placement
         )
         coordinator.rank_env = step_env
+        coordinator.stored = stored
+        coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
+        coordinator.collector.ended_count = ctx.episodes.ended_count
         ctx.attach_trainer(coordinator)
     server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(

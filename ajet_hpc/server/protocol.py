@@ -245,6 +245,12 @@ class BeginEpisodeRequest(BaseModel):
 
     task_id: str | None = Field(default=None, description="Stable id of the task this episode runs.")
     group: str | None = Field(default=None, description="Client group that runs it.")
+    repeat: int | None = Field(
+        default=None,
+        ge=0,
+        description="Which run of the task this is. With task_id and group it makes the episode's key: the "
+        "server trains one episode per key (a second end of a key answers with the first one's result).",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free JSON kept with the episode.")
 
 
@@ -264,6 +270,10 @@ class EndEpisodeRequest(BaseModel):
 
     reward: float = Field(allow_inf_nan=False)
     task_id: str | None = None
+    group: str | None = Field(default=None, description="When given, must be the group given at begin.")
+    repeat: int | None = Field(
+        default=None, ge=0, description="When given, must be the repeat given at begin."
+    )
     turn_rewards: list[float] | None = Field(
         default=None, description="One reward per model call of the episode, in call order."
     )
@@ -281,6 +291,7 @@ class EpisodeSummary(BaseModel):
     state: Literal["open", "finished", "aborted", "dropped"]
     task_id: str | None
     group: str | None
+    repeat: int | None = None
     reward: float | None
     turn_rewards: list[float] | None
     calls: int
@@ -289,6 +300,26 @@ class EpisodeSummary(BaseModel):
     reason: str | None = None
     started_at: float
     ended_at: float | None
+    duplicate: bool = Field(
+        default=False,
+        description="On an end: this answer is the result recorded earlier for the episode's key (a repeated "
+        "end); the episode named here is the one that is trained.",
+    )
+
+
+class EndedEpisode(BaseModel):
+    """An episode key this server has ended, with the result it recorded (``GET /v1/episodes/ended``)."""
+
+    task_id: str
+    repeat: int
+    episode_id: str
+    reward: float | None
+    ended_at: float
+
+
+class EndedEpisodes(BaseModel):
+    group: str
+    ended: list[EndedEpisode]
 
 
 class ServerStatus(BaseModel):

@@ -6,6 +6,7 @@ The registry hands every closed episode to ``EpisodeRecorder.submit``; a single 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -15,6 +16,7 @@ from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRec
 
 log = logging.getLogger(__name__)
 _STOP = object()
+WRITE_WAIT_S = 120.0
 
 
 class EpisodeRecorder:
@@ -41,6 +43,9 @@ class EpisodeRecorder:
             if isinstance(item, threading.Event):  # flush marker
                 item.set()
                 continue
+            if callable(item):  # flush marker of an event loop
+                item()
+                continue
             try:
                 if isinstance(item, StepRecord):
                     self.writer.append_step(item)
@@ -56,7 +61,22 @@ class EpisodeRecorder:
         self._queue.put(written)
         return written.wait(timeout_s)
 
+    async def written(self) -> None:
+        """Wait (without blocking the event loop) until everything queued so far is in the store."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._queue.put(lambda: loop.call_soon_threadsafe(_resolve, done))
+        try:
+            await asyncio.wait_for(done, WRITE_WAIT_S)
+        except TimeoutError:
+            log.error("the episode store %s did not take an episode within %.0f s", self.path, WRITE_WAIT_S)
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
         self.writer.close()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -64,7 +64,7 @@ async def begin(request: Request, body: p.BeginEpisodeRequest, authorization: st
     await ctx.admission.wait()  # a strictly on-policy trainer is stepping
     if ctx.training_done:
         raise Conflict(f"training of {ctx.name} is finished: no new episodes", code="training_finished")
-    episode = ctx.episodes.begin(body.task_id, body.group, body.metadata)
+    episode = ctx.episodes.begin(body.task_id, body.group, body.metadata, body.repeat)
     token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
     base = ctx.public_url or str(request.base_url).rstrip("/")
     return p.BeginEpisodeResponse(
@@ -74,6 +74,27 @@ async def begin(request: Request, body: p.BeginEpisodeRequest, authorization: st
         model=ctx.name,
         policy_version=ctx.engine.policy_version,
         expires_at=episode.started_at + ctx.settings.token_ttl_s,
+    )
+
+
+@router.get("/v1/episodes/ended")
+async def ended(request: Request, group: str, authorization: str | None = Auth) -> p.EndedEpisodes:
+    """The keys of ``group`` this server ended, with their recorded results: a resuming client commits
+    them instead of running them again."""
+    ctx = _ctx(request)
+    authorize_run_call(ctx.secret, authorization)
+    return p.EndedEpisodes(
+        group=group,
+        ended=[
+            p.EndedEpisode(
+                task_id=key[1],
+                repeat=key[2],
+                episode_id=record.episode_id,
+                reward=record.reward,
+                ended_at=record.ended_at,
+            )
+            for key, record in ctx.episodes.ended_keys(group)
+        ],
     )
 
 
@@ -92,8 +113,14 @@ async def show(request: Request, episode_id: str, timelines: bool = False, autho
 async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, authorization: str | None = Auth):
     ctx = _ctx(request)
     authorize_run_call(ctx.secret, authorization)
-    episode = ctx.episodes.end(episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata)
-    return episode.summary()
+    summary = ctx.episodes.end(
+        episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata, body.group, body.repeat
+    )
+    if ctx.recorder is not None and not summary.duplicate:
+        # Answer once the episode is committed in the server store: a client commits its result only
+        # after this answer, so whatever a client holds, a restarted server knows too (exactly once).
+        await ctx.recorder.written()
+    return summary
 
 
 @router.post("/v1/episodes/{episode_id}/abort")

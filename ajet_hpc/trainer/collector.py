@@ -11,6 +11,11 @@ With ``skip_equal_groups`` a complete group whose rewards are all equal is dropp
 be zero) and counted. ``max_staleness`` bounds the policy lag of a sample: an episode whose oldest call was
 served by a policy more than ``max_staleness`` versions behind the trained one is dropped and counted;
 0 means strictly on-policy (the server then admits no new episode while the trainer steps).
+
+A task group that can no longer complete is dropped and counted (``dropped_incomplete``): when the
+repeats it lacks have already ended elsewhere (dropped as stale, or lost with a step), no client runs them
+again. After a restart, ``restore`` puts back the finished episodes no step consumed (read from the server
+store); every batch names the ids it consumes (trained, or dropped here) for the server's journal.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import statistics
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ajet_hpc.config import TrainerConfig
@@ -35,6 +41,9 @@ class Batch:
     skipped_equal: int = 0
     dropped_stale: int = 0
     shortfall: dict[str, int] = field(default_factory=dict)  # with ratios: tasks a client group owed
+    dropped_incomplete: int = 0
+    recovered: int = 0  # episodes of this batch restored from the store after a restart
+    dropped_ids: list[str] = field(default_factory=list)  # consumed without training since the last batch
 
     @property
     def episodes(self) -> list[Episode]:
@@ -55,7 +64,9 @@ class Batch:
 class CollectorStats:
     skipped_equal: int = 0
     dropped_stale: int = 0
+    dropped_incomplete: int = 0
     received: int = 0
+    recovered: int = 0
 
 
 Key = tuple[str, str]  # (client group, task id): the same task id in two groups is two tasks
@@ -71,6 +82,8 @@ class BatchCollector:
     config: TrainerConfig
     stats: CollectorStats = field(default_factory=CollectorStats)
     mix: dict[str, float] | None = None
+    repeats_of: dict[str, int] | None = None  # client group -> repeats its clients run of each task
+    ended_count: Callable[[str, str], int] | None = None  # (group, task) -> repeats that ended so far
 
     def __post_init__(self) -> None:
         self._pending: OrderedDict[Key, list[Episode]] = OrderedDict()  # finished episodes per task
@@ -78,6 +91,9 @@ class BatchCollector:
         self._version = 0
         self._quotas = quotas(self.config.tasks_per_batch, self.mix) if self.mix else None
         self._short_since: float | None = None
+        self._dropped_ids: list[str] = []
+        self._since_batch = {"dropped_stale": 0, "skipped_equal": 0, "dropped_incomplete": 0}
+        self._restored: set[str] = set()
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
@@ -88,6 +104,20 @@ class BatchCollector:
         key = (episode.group or "", episode.task_id or episode.episode_id)
         self._pending.setdefault(key, []).append(episode)
         self._changed.set()
+
+    def restore(self, episodes: list[Episode]) -> None:
+        """Finished episodes of an earlier life of the server that no step consumed, oldest first."""
+        for episode in episodes:
+            self.add(episode)
+            self._restored.add(episode.episode_id)
+        self.stats.recovered += len(episodes)
+
+    def note_dropped_stale(self, episode_ids: list[str]) -> None:
+        """Episodes of an earlier life of the server found too stale to restore: reported with the next
+        batch like the ones dropped here."""
+        self._dropped_ids += episode_ids
+        self._since_batch["dropped_stale"] += len(episode_ids)
+        self.stats.dropped_stale += len(episode_ids)
 
     def set_policy_version(self, version: int) -> None:
         self._version = version
@@ -101,16 +131,64 @@ class BatchCollector:
         for key in list(self._pending):
             fresh = [e for e in self._pending[key] if not self._is_stale(e)]
             dropped += len(self._pending[key]) - len(fresh)
+            self._dropped_ids += [e.episode_id for e in self._pending[key] if self._is_stale(e)]
             if fresh:
                 self._pending[key] = fresh
             else:
                 del self._pending[key]
         self.stats.dropped_stale += dropped
+        self._since_batch["dropped_stale"] += dropped
         return dropped
+
+    def _drop_incomplete(self) -> None:
+        """Drop the unfinished task group of each task whose missing repeats can no longer arrive."""
+        if self.repeats_of is None or self.ended_count is None:
+            return
+        repeats = self.config.repeats
+        for key in list(self._pending):
+            group, task = key
+            if group not in self.repeats_of:
+                continue
+            episodes = self._pending[key]
+            partial = len(episodes) % repeats
+            coming = self.repeats_of[group] - self.ended_count(group, task)
+            if not partial or partial + coming >= repeats:
+                continue
+            kept, gone = episodes[: len(episodes) - partial], episodes[len(episodes) - partial :]
+            log.warning(
+                "task %s of group %s: %d repeat(s) wait for %d more that can no longer run; dropped",
+                task,
+                group,
+                partial,
+                repeats - partial,
+            )
+            self._dropped_ids += [e.episode_id for e in gone]
+            self._since_batch["dropped_incomplete"] += 1
+            self.stats.dropped_incomplete += 1
+            if kept:
+                self._pending[key] = kept
+            else:
+                del self._pending[key]
+
+    def _finish(self, batch: Batch) -> Batch:
+        """Hand over what was dropped since the last batch (ids and counts): the batch reports it."""
+        batch.dropped_ids, self._dropped_ids = self._dropped_ids, []
+        batch.dropped_stale = self._since_batch["dropped_stale"]
+        batch.skipped_equal = self._since_batch["skipped_equal"]
+        batch.dropped_incomplete = self._since_batch["dropped_incomplete"]
+        self._since_batch = dict.fromkeys(self._since_batch, 0)
+        batch.recovered = sum(1 for e in batch.episodes if e.episode_id in self._restored)
+        self._restored -= {e.episode_id for e in batch.episodes}
+        return batch
 
     def try_batch(self, now: float | None = None) -> Batch | None:
         """A batch if one is ready now (removing its episodes from the pending pool)."""
+        batch = self._try_batch(now)
+        return None if batch is None else self._finish(batch)
+
+    def _try_batch(self, now: float | None) -> Batch | None:
         dropped = self._drop_stale()
+        self._drop_incomplete()
         repeats, wanted = self.config.repeats, self.config.tasks_per_batch
         if self.config.batch_policy == "episodes":
             if sum(len(group) for group in self._pending.values()) < wanted * repeats:
@@ -128,6 +206,7 @@ class BatchCollector:
             return Batch(groups, dropped_stale=dropped)
         groups, skipped = self._complete_groups(repeats)
         self.stats.skipped_equal += skipped
+        self._since_batch["skipped_equal"] += skipped
         taken = self._choose(groups, wanted, time.monotonic() if now is None else now)
         if taken is None:  # not ready: put the complete groups back, in front, for the next try
             for group in reversed(groups):
@@ -152,6 +231,7 @@ class BatchCollector:
                 group, episodes = episodes[:repeats], episodes[repeats:]
                 if self.config.skip_equal_groups and len({e.reward for e in group}) == 1:
                     skipped += 1
+                    self._dropped_ids += [e.episode_id for e in group]
                 else:
                     groups.append(group)
             if episodes:

@@ -4,7 +4,9 @@ finished episodes → collector → batch → samples with GRPO advantages → t
 processes, file protocol in RUN/ckpt/<model>/) → new weights → engine reload → policy version + 1 →
 metrics row. Checkpoints every ``save_every`` steps, at the last step, and on Slurm's pre-timeout or
 preemption signal (`Coordinator.save_on_signal`). On start it resumes from the ranks' last complete
-checkpoint: the engine gets that step's weights and the policy version continues.
+checkpoint: the engine gets that step's weights and the policy version continues, and the collector gets
+back the finished episodes of the server store that no step consumed (the journal, written before each
+step's batch goes to the ranks, names the consumed ones: no episode is trained twice).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
+from ajet_hpc.server.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
+from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir
 from ajet_hpc.trainer.samples import build_samples
@@ -60,6 +64,9 @@ class Coordinator:
         self.work_dir = run_root / "ckpt" / server.name
         self.metrics_path = run_root / "metrics.jsonl"
         self.collector = BatchCollector(server.trainer, mix=mix)
+        self.journal = ConsumedJournal(self.work_dir / "consumed.jsonl")
+        self.stored: list[dict] | None = None  # the store's summaries read at the server's start, if any
+        self._restored = False
         self.placement = placement or server_placement(server)
         self.sync_backend = _sync_backend(ctx.engine, server.trainer)
         self.rank_env: dict[str, str] | None = None  # the job step's environment (None: this process's)
@@ -88,6 +95,7 @@ class Coordinator:
         sync_server = self._start_sync_server()
         try:
             channel = await self._start_ranks()
+            await self._restore_collector()
             total = self.config.total_steps
             bar = tqdm(
                 total=total,
@@ -141,6 +149,10 @@ class Coordinator:
         """Start the ranks, wait until they have resumed from their last checkpoint (and handed the engine
         its weights), and continue from that step."""
         log_path = self.work_dir / "ranks.log"
+        work = WorkDir(self.work_dir)
+        for step in work.pending_steps():  # batches of an earlier start: their episodes count as consumed
+            log.info("discarding the batch of step %d left by an earlier start of the trainer", step)
+            work.batch_file(step).unlink(missing_ok=True)
         env = dict(os.environ if self.rank_env is None else self.rank_env)
         if self.sync_backend is not None:
             env[weight_sync.BACKEND_VAR] = self.sync_backend
@@ -166,6 +178,34 @@ class Coordinator:
                 "removed %d metrics rows past the checkpoint at step %d (they run again)", dropped, self.step
             )
         return channel
+
+    async def _restore_collector(self) -> None:
+        """Once per server process: the finished episodes of an earlier life that no step consumed go back
+        into the collector (those too stale for the resumed policy are dropped and reported)."""
+        if self._restored or self.ctx.recorder is None:
+            return
+        self._restored = True
+        path = self.ctx.recorder.path
+        summaries = (
+            self.stored if self.stored is not None else await asyncio.to_thread(stored_summaries, path)
+        )
+        self.stored = None
+        consumed = await asyncio.to_thread(self.journal.read)
+        found = unconsumed(summaries, consumed, self.step, self.config.max_staleness)
+        episodes = await asyncio.to_thread(load_episodes, path, found.fresh)
+        self.collector.note_dropped_stale(found.stale)
+        self.collector.restore(episodes)
+        lost = consumed.trained_after(self.step)
+        if episodes or found.stale or lost:
+            log.info(
+                "restored %d finished episode(s) no step consumed; %d too stale for policy %d (dropped); "
+                "%d taken by steps after checkpoint %d were lost with them",
+                len(episodes),
+                len(found.stale),
+                self.step,
+                lost,
+                self.step,
+            )
 
     async def _resume(self, ready: dict) -> None:
         started = time.monotonic()
@@ -202,6 +242,8 @@ class Coordinator:
             self._in_flight = _InFlight(step, batch, samples, merging, started)
             colocated = self.placement.mode == "colocate"
             sleep_s = await self.ctx.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
+            trained_ids = list(dict.fromkeys(e.episode_id for e in batch.episodes))
+            await asyncio.to_thread(self.journal.append, step, trained_ids, batch.dropped_ids)
             channel.submit(step, samples, save_checkpoint=save)
             result = await channel.wait_result(step)
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
@@ -295,6 +337,8 @@ class Coordinator:
             "client_groups": batch.tasks_per_client_group(),
             "mix_shortfall": batch.shortfall,
             "dropped_stale": batch.dropped_stale,
+            "dropped_incomplete": batch.dropped_incomplete,
+            "recovered_episodes": batch.recovered,
             "time": time.time(),
         }
         metrics.append_row(self.metrics_path, row)

@@ -1,0 +1,88 @@
+"""A restarted server's episode state, rebuilt from its store (``RUN/data/<model>.h5``).
+
+Two things survive a requeue only there: which episode keys ended (so that a resuming client commits them
+instead of running them again, and a second run of one is not trained), and the finished episodes that
+no training step consumed yet (so that the batch collector starts where the previous job left it; the
+consumed ones are named by the trainer's journal, :mod:`ajet_hpc.trainer.journal`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ajet_hpc.server.episodes import FINISHED, Episode, episode_key
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def stored_summaries(path: Path) -> list[dict[str, Any]]:
+    """Every committed episode's summary in the store; [] when there is no store yet."""
+    if not Path(path).exists():
+        return []
+    with EpisodeReader(path) as reader:
+        return reader.summaries()
+
+
+@dataclass
+class Unconsumed:
+    """Finished episodes that no step consumed, split by whether they are still fresh enough to train."""
+
+    fresh: list[str] = field(default_factory=list)  # episode ids, store order (oldest first)
+    stale: list[str] = field(default_factory=list)
+
+
+def unconsumed(summaries: list[dict[str, Any]], consumed, version: int, max_staleness: int) -> Unconsumed:
+    """The finished episodes with calls that ``consumed`` (a journal's ids) does not name. Of two finished
+    episodes of one key only the first counts (the later one was never the key's result)."""
+    out, seen = Unconsumed(), set()
+    for s in summaries:
+        if s["state"] != FINISHED or not s["calls"] or s["episode_id"] in consumed:
+            continue
+        repeat = (s.get("metadata") or {}).get("repeat")
+        key = episode_key(s["task_id"], s["group"], repeat if isinstance(repeat, int) else None)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        oldest = min(s["policy_versions"]) if s["policy_versions"] else version
+        (out.stale if version - oldest > max_staleness else out.fresh).append(s["episode_id"])
+    return out
+
+
+def load_episodes(path: Path, episode_ids: list[str]) -> list[Episode]:
+    """The full episodes (timelines included) for the collector, in the order given."""
+    if not episode_ids:
+        return []
+    episodes = []
+    with EpisodeReader(path) as reader:
+        for episode_id in episode_ids:
+            try:
+                episodes.append(as_episode(reader.episode(episode_id)))
+            except (KeyError, StoreError) as exc:
+                log.warning("cannot restore episode %s from %s: %s", episode_id, path, exc)
+    return episodes
+
+
+def as_episode(record: EpisodeRecord) -> Episode:
+    """A closed, finished :class:`Episode` from its stored record (no tracker: it takes no more calls)."""
+    repeat = record.metadata.get("repeat")
+    return Episode(
+        episode_id=record.episode_id,
+        model=record.model,
+        tracker=None,
+        task_id=record.task_id,
+        group=record.group,
+        repeat=repeat if isinstance(repeat, int) else None,
+        metadata=dict(record.metadata),
+        state=record.state,
+        started_at=record.started_at,
+        reward=record.reward,
+        turn_rewards=record.turn_rewards,
+        reason=record.reason,
+        ended_at=record.ended_at,
+        stored_timelines=record.timelines,
+    )
