@@ -94,3 +94,33 @@ def test_without_a_mix_a_batch_is_any_complete_tasks() -> None:
     add_tasks(collector, "tools", 1)
     batch = collector.try_batch()
     assert batch is not None and batch.tasks_per_client_group() == {"math": 2, "tools": 1}
+
+
+def test_a_group_that_can_no_longer_complete_is_dropped_and_reported() -> None:
+    """Repeats 0 and 1 of t0 ended; repeat 0 went stale (dropped), so repeat 1 waits for a repeat that no
+    client runs again: the collector drops it and the next batch reports it with its id."""
+    ended = {("math", "t0"): 2, ("math", "t1"): 1}
+    collector = BatchCollector(config(tasks_per_batch=1), repeats_of={"math": 2})
+    collector.ended_count = lambda group, task: ended.get((group, task), 0)
+    collector.add(finished("math", "t0", 1.0))  # its partner ended and is gone
+    collector.add(finished("math", "t1", 0.0))  # its partner has not run yet: it waits
+    assert collector.try_batch() is None
+    assert collector.stats.dropped_incomplete == 1
+    ended[("math", "t1")] = 2
+    collector.add(finished("math", "t1", 1.0))
+    batch = collector.try_batch()
+    assert batch is not None and [e.task_id for e in batch.episodes] == ["t1", "t1"]
+    assert batch.dropped_incomplete == 1 and batch.dropped_ids == ["math-t0-1.0"]
+
+
+def test_restored_and_stale_episodes_are_counted_in_the_next_batch() -> None:
+    collector = BatchCollector(config(tasks_per_batch=1, max_staleness=1))
+    collector.set_policy_version(1)
+    collector.note_dropped_stale(["old-1", "old-2"])  # too stale to restore after a restart
+    collector.restore([finished("math", "t0", 0.0), finished("math", "t0", 1.0)])
+    batch = collector.try_batch()
+    assert batch is not None and batch.recovered == 2 and batch.dropped_stale == 2
+    assert batch.dropped_ids == ["old-1", "old-2"]
+    add_tasks(collector, "math", 1, start=1)
+    second = collector.try_batch()
+    assert second is not None and (second.recovered, second.dropped_stale, second.dropped_ids) == (0, 0, [])
