@@ -142,7 +142,7 @@ class BatchCollector:
 
     def _drop_incomplete(self) -> None:
         """Drop the unfinished task group of each task whose missing repeats can no longer arrive."""
-        if self.repeats_of is None or self.ended_count is None:
+        if self.repeats_of is None or self.ended_count is None or self.config.batch_policy != "tasks":
             return
         repeats = self.config.repeats
         for key in list(self._pending):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from support import REPO, run_module, topology_dict, wait_until, write_topology
@@ -78,6 +79,7 @@ def test_keys_and_half_complete_groups_survive_a_server_restart(tmp_path: Path) 
         assert retried["duplicate"] and retried["episode_id"] == ended["t0", 0]["episode_id"]
         with pytest.raises(KeyEnded):
             api.begin("t0", "math", {}, 0)
+        refusals(api, ended["t0", 0]["episode_id"], RunDir.at(run).read_secret())
         api.close()
         stop(server)  # t1 lacks its repeat 1: no batch yet, nothing trained
 
@@ -108,6 +110,22 @@ def test_keys_and_half_complete_groups_survive_a_server_restart(tmp_path: Path) 
     assert sorted(keys) == [("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1)]  # one episode per key
     assert [s["step"] for s in steps] == [1] and set(steps[0]["episode_ids"]) == trained
     assert "restored 3 finished episode(s)" in log.read_text()
+
+
+def refusals(api: EpisodeAPI, finished_id: str, secret: str) -> None:
+    """Bad ends get a 4xx naming the problem, and change nothing: a finished episode's other reward, an
+    end naming another key, an episode this server never began."""
+    http = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {secret}"})
+    other = http.post(f"/v1/episodes/{finished_id}/end", json={"reward": 0.5})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "episode_finished"
+    begun = api.begin("t9", "math", {}, 0)
+    wrong = http.post(f"/v1/episodes/{begun['episode_id']}/end", json={"reward": 1.0, "group": "tools"})
+    assert wrong.status_code == 409 and "belongs to group 'math'" in wrong.json()["error"]["message"]
+    unknown = http.post("/v1/episodes/ep-0000/end", json={"reward": 1.0})
+    assert unknown.status_code == 404 and "unknown episode" in unknown.json()["error"]["message"]
+    assert http.get(f"/v1/episodes/{begun['episode_id']}").json()["state"] == "open"  # unchanged
+    api.abort(begun["episode_id"], "test over")
+    http.close()
 
 
 def _rows(run: Path) -> list[dict]:
