@@ -51,9 +51,18 @@ def starts(run: Path, task: str) -> int:
     return len(re.findall(r"client math\[\d\] \(job", client_log(run, task)))
 
 
-def active(task: str) -> bool:
+def state(task: str) -> str:
     states = [s.state for s in slurmcli.job_states([task.split("_")[0]]) if s.job_id == task]
-    return bool(states) and states[0] in slurmcli.ACTIVE_STATES
+    return states[0] if states else "GONE"
+
+
+def active(task: str) -> bool:
+    return state(task) in slurmcli.ACTIVE_STATES
+
+
+def requeue_running(task: str) -> None:
+    wait_until(lambda: state(task) == "RUNNING", 180, f"{task} to run")
+    subprocess.run(["scontrol", "requeue", task], check=True)
 
 
 def resume_after_crash(run: Path, task: str) -> None:
@@ -96,11 +105,11 @@ def test_exactly_once_through_client_crashes_and_requeues(tmp_path: Path) -> Non
         for task in tasks:
             resume_after_crash(run, task)
         wait_until(lambda: steps(run), 600, "step 1")
-        subprocess.run(["scontrol", "requeue", tasks[0]], check=True)  # a third of the array, once
+        requeue_running(tasks[0])  # a third of the array, once
         wait_until(lambda: len(steps(run)) >= 3, 600, "step 3")
         assert len(steps(run)) < TOTAL, "the run finished before the server requeue: raise TOTAL"
         subprocess.run(["scontrol", "requeue", server_id], check=True)  # groups are half committed now
-        subprocess.run(["scontrol", "requeue", tasks[0]], check=True)  # and the third again
+        requeue_running(tasks[0])  # and the third again
         every = [server_id, array_id]
         wait_until(
             lambda: all(
