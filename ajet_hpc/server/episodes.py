@@ -10,7 +10,8 @@ remembers every key that ended (restored from the server store after a restart, 
 begin of an ended key is refused with the recorded result (409 ``episode_key_ended``), and an end of a
 second episode of an ended key closes that episode as aborted and answers with the first one's result, so
 that only one episode per key is ever trained. Ending the same episode twice with the same reward answers
-the recorded result again (a retry after a lost answer); with another reward it is refused.
+the recorded result again (a retry after a lost answer); with another reward it is refused. A begin of a
+key that is open in another episode aborts that one (its client died or gave up on it).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class EpisodeRegistry:
         self.dropped_recent: deque[EpisodeSummary] = deque(maxlen=50)
         self._sinks: list[Callable[[Episode], None]] = []
         self._ended: dict[Key, Ended] = {}
+        self._open_by_key: dict[Key, str] = {}
         self._ended_per_task: Counter[tuple[str, str]] = Counter()
 
     def on_closed(self, sink: Callable[[Episode], None]) -> None:
@@ -151,6 +153,7 @@ class EpisodeRegistry:
             )
         if repeat is not None:
             metadata = {**metadata, "repeat": repeat}
+        earlier = self._open_by_key.get(key) if key is not None else None
         episode = Episode(
             episode_id=f"ep-{uuid.uuid4().hex}",
             model=self.model,
@@ -162,6 +165,12 @@ class EpisodeRegistry:
         )
         self._open[episode.episode_id] = episode
         self.counts[OPEN] += 1
+        if key is not None:
+            self._open_by_key[key] = episode.episode_id
+        if earlier is not None and earlier in self._open:  # its runner died or gave up on it: not waited for
+            self._close(
+                self._open[earlier], ABORTED, f"superseded by episode {episode.episode_id} of the same key"
+            )
         return episode
 
     def lookup(self, episode_id: str) -> Episode:
@@ -333,6 +342,8 @@ class EpisodeRegistry:
     def _close(self, episode: Episode, state: str, reason: str | None) -> None:
         episode.state, episode.reason, episode.ended_at = state, reason, time.time()
         del self._open[episode.episode_id]
+        if episode.key is not None and self._open_by_key.get(episode.key) == episode.episode_id:
+            del self._open_by_key[episode.key]
         self._closed[episode.episode_id] = episode
         self._closed_order.append(episode.episode_id)
         while len(self._closed_order) > self._keep_closed:

@@ -37,10 +37,22 @@ def test_a_key_ends_once_and_a_retried_end_answers_the_recorded_result() -> None
     assert episodes.begin("t1", "other", {}, repeat=0).key == ("other", "t1", 0)  # another group too
 
 
+def test_a_new_begin_of_an_open_key_aborts_the_old_episode() -> None:
+    episodes, closed = registry()
+    old = episodes.begin("t1", "math", {"repeat": 0})  # the repeat as clients sent it in metadata
+    new = episodes.begin("t1", "math", {"repeat": 0})  # its runner died; the restarted one runs it again
+    assert old.state == ABORTED and new.episode_id in (old.reason or "") and new.state == OPEN
+    assert [e.episode_id for e in closed] == [old.episode_id]
+    with pytest.raises(Conflict, match="aborted"):
+        episodes.end(old.episode_id, 1.0, None, None, {})  # the old agent comes back late: refused
+    assert episodes.end(new.episode_id, 1.0, None, None, {}).episode_id == new.episode_id
+
+
 def test_a_second_run_of_an_ended_key_is_not_trained() -> None:
     episodes, closed = registry()
-    a = episodes.begin("t1", "math", {"repeat": 0})  # the repeat as clients sent it in metadata
-    b = episodes.begin("t1", "math", {"repeat": 0})  # a restarted client ran it again meanwhile
+    a = episodes.begin("t1", "math", {"repeat": 0})
+    b = episodes.begin("t1", "math", {"repeat": 1})
+    b.repeat = 0  # two episodes of one key open at once cannot be begun; made so to reach the end path
     episodes.end(a.episode_id, 1.0, None, None, {})
     answer = episodes.end(b.episode_id, 0.0, None, None, {})
     assert answer.duplicate and answer.episode_id == a.episode_id and answer.reward == 1.0
