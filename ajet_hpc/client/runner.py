@@ -140,7 +140,11 @@ class GroupTask:
                 self.group.name,
             )
         done |= elsewhere
-        self.refresh_ended()
+        try:
+            self.refresh_ended()
+        except ServerFinished as exc:
+            log.info("nothing to do: %s", exc)
+            return self.tally
         slots = threading.BoundedSemaphore(self.group.in_flight)
         self.started.set()
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
