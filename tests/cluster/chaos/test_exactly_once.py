@@ -102,6 +102,7 @@ def test_exactly_once_through_client_crashes_and_requeues(tmp_path: Path) -> Non
     server_id, array_id = jobs["server-policy"]["job_id"], jobs["clients-math"]["job_id"]
     tasks = [f"{array_id}_{i}" for i in range(ARRAY)]
     try:
+        wait_until(lambda: state(server_id) == "RUNNING", 900, "the server job to start")
         for task in tasks:
             resume_after_crash(run, task)
         wait_until(lambda: steps(run), 600, "step 1")
