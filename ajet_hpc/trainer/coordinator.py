@@ -111,9 +111,9 @@ class Coordinator:
                 file=sys.stderr,
                 mininterval=1,
             )
-            failures, ended = 0, None
+            failures, ended, retry = 0, None, None
             while self.step < total:
-                batch = await self._next_batch()
+                batch, retry = retry or await self._next_batch(), None
                 if batch is None:
                     ended = f"task sources exhausted at step {self.step} of {total} ({self.sources_ended()})"
                     break
@@ -124,6 +124,8 @@ class Coordinator:
                     failures += 1
                     self._restarting(error, failures)
                     self.close()
+                    _discard_batches(WorkDir(self.work_dir))
+                    retry = batch  # trained again by the new ranks: its episodes are not lost
                     channel = await self._start_ranks()
                     bar.reset(total)
                     bar.update(self.step)
@@ -396,6 +398,13 @@ class Coordinator:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _discard_batches(work: WorkDir) -> None:
+    """Remove the batches left in the inbox by ranks that died: restarted ranks would train them on their
+    own, unasked, while the coordinator submits that step again and waits for a result that never comes."""
+    for step in work.pending_steps():
+        work.batch_file(step).unlink(missing_ok=True)
 
 
 def _sync_backend(engine, trainer: TrainerConfig) -> str | None:
