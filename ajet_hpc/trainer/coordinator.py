@@ -100,6 +100,7 @@ class Coordinator:
 
     async def _run(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        _discard_batches(WorkDir(self.work_dir))  # left by an earlier job: nobody waits for their results
         sync_server = self._start_sync_server()
         try:
             channel = await self._start_ranks()
@@ -401,8 +402,9 @@ class Coordinator:
 
 
 def _discard_batches(work: WorkDir) -> None:
-    """Remove the batches left in the inbox by ranks that died: restarted ranks would train them on their
-    own, unasked, while the coordinator submits that step again and waits for a result that never comes."""
+    """Remove the batches left in the inbox by ranks that died or by an earlier job: restarted ranks would
+    train them on their own, unasked, while the coordinator submits that step again and waits for a result
+    that never comes."""
     for step in work.pending_steps():
         work.batch_file(step).unlink(missing_ok=True)
 
