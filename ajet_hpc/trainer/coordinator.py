@@ -122,6 +122,8 @@ class Coordinator:
                     await self._train_step(channel, batch)
                     failures = 0
                 except TrainerFailed as error:
+                    if watchdog.engine_failure(self.ctx.engine) is not None:
+                        raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
                     self._restarting(error, failures)
                     self.close()

@@ -217,6 +217,7 @@ def test_killed_vllm_engine_core_requeues_the_server_which_resumes_and_finishes(
         server_log = logs(run, "server-policy")
         assert "the engine died (vLLM's engine core process died)" in server_log
         assert "job requeued: it comes back with a fresh engine" in server_log
+        assert metrics.read_events(run / "metrics.jsonl") == []  # not a failure of the ranks: no restart
         out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout
         assert "Restarts=1" in out
         assert rendezvous.read(run / "servers" / "policy.json").state == "finished"
