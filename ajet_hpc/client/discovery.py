@@ -1,4 +1,10 @@
-"""Finding a server through its rendezvous file, and waiting while it is away."""
+"""Finding a server through its rendezvous file, and waiting while it is away.
+
+A client stops instead of waiting when the server ended for good: ``finished`` (``ServerFinished``) or
+``failed`` (``ServerFailed``, with the server's reason), or when it stayed absent longer than the group's
+``server_wait_s`` (``ServerUnavailable``). The last two are ``ServerGone``: the array task ends with that
+message and releases its allocation (``runner.run_client`` exits with ``EXIT_SERVER_GONE``).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +20,20 @@ from ajet_hpc.storage.rundir import RunDir
 log = logging.getLogger(__name__)
 
 
-class ServerUnavailable(TimeoutError):
-    """The server did not become reachable within the allowed time."""
+class ServerGone(RuntimeError):
+    """A server this client needs will not serve again: it failed, or stayed away too long."""
+
+
+class ServerUnavailable(ServerGone):
+    """The server did not become reachable within the allowed time (``clients[].server_wait_s``)."""
+
+
+class ServerFailed(ServerGone):
+    """The server's watchdog gave up (rendezvous state ``failed``); the message carries its reason."""
 
 
 class ServerFinished(RuntimeError):
-    """The server completed its training and serves no more episodes."""
+    """The server completed its training (or used up its task sources) and serves no more episodes."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,8 @@ def wait_for_server(
     """Block until server ``name`` has a fresh rendezvous file and answers /health.
 
     Re-reads the file on every try, so a server that was requeued onto another node is followed.
-    ``timeout_s=None`` waits for ever (a server may sit in the queue for hours).
+    ``timeout_s=None`` waits for ever (a server may sit in the queue for hours). Raises ``ServerFinished``
+    or ``ServerFailed`` as soon as the rendezvous says so, ``ServerUnavailable`` after ``timeout_s``.
     """
     path = run.rendezvous_file(name)
     start = last_report = time.monotonic()
@@ -61,7 +76,12 @@ def wait_for_server(
     while True:
         record = rendezvous.read(path)
         if record is not None and record.state == "finished":
-            raise ServerFinished(f"server {name!r} has finished its training")
+            detail = f": {record.reason}" if record.reason else ""
+            raise ServerFinished(f"server {name!r} has finished its training{detail}")
+        if record is not None and record.state == "failed":
+            raise ServerFailed(
+                f"server {name!r} failed (job {record.job_id}): {record.reason or 'no reason recorded'}"
+            )
         if record is None:
             why = f"no rendezvous file yet ({path})"
         elif record.is_stale():
@@ -73,7 +93,9 @@ def wait_for_server(
             why = f"{record.url} does not answer"
         now = time.monotonic()
         if timeout_s is not None and now - start > timeout_s:
-            raise ServerUnavailable(f"server {name!r} not reachable after {timeout_s:.0f}s: {why}")
+            raise ServerUnavailable(
+                f"server {name!r} not reachable for {timeout_s:.0f}s (clients[].server_wait_s): {why}"
+            )
         if now - last_report >= report_every_s:
             log.info("waiting for server %r for %.0fs: %s", name, now - start, why)
             last_report = now

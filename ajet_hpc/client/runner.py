@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
-from ajet_hpc.client.discovery import ServerFinished, wait_for_server
+from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
 from ajet_hpc.client.session import (
     ClientStopping,
     EpisodeAPI,
@@ -40,11 +40,13 @@ from ajet_hpc.client.session import (
     ServerAway,
     TrainingFinished,
 )
-from ajet_hpc.client.tasks import import_entry, open_source, shard
+from ajet_hpc.client.supervisor import EXIT_SERVER_GONE
+from ajet_hpc.client.tasks import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.storage import task_ends
 from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, read_results
 from ajet_hpc.storage.rundir import RunDir
 
@@ -81,6 +83,8 @@ class Tally:
 class GroupTask:
     """The episodes of one array task of a client group."""
 
+    gone: ServerGone | None = None  # a server failed or stayed away too long: the task stops
+
     def __init__(self, run: RunDir, group: ClientGroupConfig, index: int, repeats: int) -> None:
         self.rundir, self.group, self.index, self.repeats = run, group, index, repeats
         self.agent = import_entry(group.agent)
@@ -103,7 +107,12 @@ class GroupTask:
             api = self.apis.get(name)
             if api is not None and api.url != known_url:
                 return api
-            found = wait_for_server(self.rundir, name)
+            try:
+                found = wait_for_server(self.rundir, name, timeout_s=self.group.server_wait_s)
+            except (ServerFinished, ServerGone) as exc:  # start no new episode, wherever this was asked
+                self.gone = exc if isinstance(exc, ServerGone) else None
+                self.finished.set()
+                raise
             if api is not None:
                 api.close()
                 log.info("server %s is back at %s", name, found.url)
@@ -127,8 +136,9 @@ class GroupTask:
         except ServerFinished as exc:
             log.info("nothing to do: %s", exc)
             return self.tally
-        source = open_source(self.group.tasks, base_dir=self.rundir.root.parent)
-        tasks = shard(source, self.index, self.group.array, self.group.max_tasks)
+        except ServerGone:
+            return self.tally
+        tasks = assigned_tasks(self.group, self.index, base_dir=self.rundir.root.parent)
         done = self.store.committed()
         elsewhere = committed_in_group(self.rundir, self.group.name, mine=self.store.path) - done
         if done or elsewhere:
@@ -411,6 +421,11 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
     finally:
         restore_handler()
         worker.store.close()
+    if worker.gone is not None:
+        log.error("client %s[%d] stops: %s", group.name, index, worker.gone)
+        return EXIT_SERVER_GONE
+    if not (worker.finished.is_set() or worker.stopping.is_set()):  # its tasks are used up
+        task_ends.mark_end(run, group, index, task_ends.EXHAUSTED, f"{tally.finished} episodes finished")
     mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
     log.info(
         "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted, %d committed from the "

@@ -196,6 +196,13 @@ class TrainerConfig(BaseModel):
     total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
     save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")
     seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Restarts of failed trainer ranks (from their last checkpoint) in a row, without a "
+        "trained step between them, after which the server goes to state 'failed' and its job ends with an "
+        "error instead of serving an untrained model (docs/reliability.md, Watchdog).",
+    )
 
 
 class ServingConfig(BaseModel):
@@ -357,6 +364,26 @@ class ClientGroupConfig(BaseModel):
     mem: SlurmMemory = Field(
         default="2G",
         description="Memory per array task: an integer with optional K/M/G/T suffix (MB without one).",
+    )
+    epochs: int = Field(
+        default=1,
+        ge=1,
+        description="Passes over the task source; in pass e > 0 a task's id becomes '<id>@<e>', so every "
+        "(group, task id, repeat) stays unique over the run.",
+    )
+    server_wait_s: float | None = Field(
+        default=3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest an array task waits for an absent server (no fresh rendezvous, no answer) "
+        "before it stops with an error and releases its allocation; None waits for ever (a requeued server "
+        "may sit in the queue for hours).",
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Restarts of an array task's runner that died without finishing (killed, crashed, out "
+        "of memory), in its allocation; each resumes from the task's store. Then the array task fails.",
     )
 
     @property

@@ -152,6 +152,15 @@ class VllmEngine(EngineLifecycle):
             time.monotonic() - started,
         )
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (vLLM's engine core process died or its output loop ended),
+        or None; the server's watchdog acts on it (``ajet_hpc.server.watchdog``)."""
+        llm = self._llm
+        if llm is None or not llm.errored:
+            return None
+        return "vLLM's engine core process died"
+
     async def stop(self) -> None:
         """Shut the engine's processes down (requests in flight end with "abort")."""
         if self._llm is None:

@@ -60,7 +60,10 @@ def run_states(run: RunDir) -> list[TaskState]:
     return [state for job in registry.latest(run).values() for state in task_states(job)]
 
 
-def describe_servers(run: RunDir) -> list[str]:
+def describe_servers(run: RunDir, now: float | None = None) -> list[str]:
+    """One line per server (state, step of total, last step time, address, heartbeat), and the reason of
+    a server that finished early or failed on the next line."""
+    now = time.time() if now is None else now
     lines = []
     for server in run.load_topology().servers:
         try:
@@ -71,11 +74,19 @@ def describe_servers(run: RunDir) -> list[str]:
         if record is None:
             lines.append(f"  {server.name:<16} not published (starting, queued or stopped)")
             continue
-        freshness = "STALE" if record.is_stale() else "ok"
+        total = f"/{server.trainer.total_steps}" if server.trainer is not None else ""
+        last = "no step yet"
+        if record.last_step_at:
+            clock = time.strftime("%H:%M:%S", time.localtime(record.last_step_at))
+            last = f"last step {clock} ({now - record.last_step_at:.0f}s ago)"
+        freshness = "STALE" if record.is_stale() and not record.final else "ok"
         lines.append(
-            f"  {server.name:<16} {record.state:<8} {record.url:<28} job {record.job_id} on {record.node}, "
-            f"policy v{record.policy_version}, heartbeat {record.age_s():.0f}s ago ({freshness})"
+            f"  {server.name:<16} {record.state:<8} step {record.step}{total}, {last}, policy "
+            f"v{record.policy_version}; {record.url} job {record.job_id} on {record.node}, heartbeat "
+            f"{record.age_s(now):.0f}s ago ({freshness})"
         )
+        if record.reason:
+            lines.append(f"  {'':<16} {'reason:':<8} {record.reason}")
     return lines
 
 

@@ -2,12 +2,17 @@
 
 They are checkpointable: on Slurm's pre-timeout or preemption signal (USR2), submitit calls
 ``checkpoint`` and requeues the job, which then calls the same callable again; the server and client
-resume from the run directory.
+resume from the run directory. A job that ends for good without success (a server whose watchdog gave up,
+a client task whose servers failed) raises, so that Slurm marks it FAILED and nothing requeues it.
 """
 
 from __future__ import annotations
 
 import submitit
+
+
+class JobFailed(RuntimeError):
+    """A job that ended for good without success; the message says where to look."""
 
 
 class ServerJob(submitit.helpers.Checkpointable):
@@ -17,7 +22,10 @@ class ServerJob(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         from ajet_hpc.server.process import serve
 
-        return serve(self.run_dir, self.name)
+        code = serve(self.run_dir, self.name)
+        if code:
+            raise JobFailed(f"server {self.name} failed (exit code {code}): see its rendezvous and log")
+        return code
 
     def checkpoint(self, *args, **kwargs):  # type: ignore[override]
         """Save the trainer's state and flush the episode store, then let submitit requeue us."""
@@ -32,6 +40,10 @@ class ClientJob(submitit.helpers.Checkpointable):
         self.run_dir, self.group = run_dir, group
 
     def __call__(self, index: int) -> int:
-        from ajet_hpc.client.runner import run_client
+        """Run the array task's runner under its supervisor, which restarts it when it dies."""
+        from ajet_hpc.client.supervisor import describe_exit, run_supervised
 
-        return run_client(self.run_dir, self.group, index)
+        code = run_supervised(self.run_dir, self.group, index)
+        if code:
+            raise JobFailed(f"client task {self.group}[{index}] stopped: {describe_exit(code)} (see its log)")
+        return code

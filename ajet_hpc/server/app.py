@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Engine
+from ajet_hpc.server import watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.router import router
@@ -37,6 +38,10 @@ class ServerContext:
     coordinator: Any = None  # ajet_hpc.trainer.coordinator.Coordinator when the model trains
     recorder: Any = None  # ajet_hpc.server.recorder.EpisodeRecorder: closed episodes to RUN/data/<model>.h5
     on_finished: Callable[[], None] | None = None  # called once training is complete
+    on_failed: Callable[[], None] | None = None  # called once the watchdog gives up (``fail``)
+    reason: str | None = None  # why the server finished early or failed (rendezvous, /v1/status)
+    failed: bool = False
+    engine_lost: str | None = None  # the engine died: the job is being checkpointed and requeued
     training_done: bool = False
     trained: bool = False  # this model's training is complete; it still serves co-trained models' episodes
     partners_done: Callable[[], bool] | None = None  # True once every co-trained server has trained
@@ -57,8 +62,11 @@ class ServerContext:
 
     @property
     def state(self) -> str:
-        """serving (no trainer), training, trained (done, still serving co-trained models' episodes), or
-        finished (training complete: no new episodes)."""
+        """serving (no trainer), training, trained (done, still serving co-trained models' episodes),
+        finished (training complete, or its task sources used up: no new episodes), or failed (the watchdog
+        gave up: ``reason`` says why; the job ends with an error and is not requeued)."""
+        if self.failed:
+            return "failed"
         if self.training_done:
             return "finished"
         if self.trained:
@@ -73,10 +81,32 @@ class ServerContext:
         self.coordinator = coordinator
         self.episodes.on_closed(coordinator.collector.add)
 
-    def finish_training(self) -> None:
-        """Training is complete. Alone, the server finishes (clients stop). When client groups also use
-        other trainable servers ("partners"), it first keeps serving ("trained") until every partner has
-        trained too, so that their agents, which need this model, can still run."""
+    @property
+    def step(self) -> int:
+        """The last trained step (0 without a trainer)."""
+        return getattr(self.coordinator, "step", 0)
+
+    @property
+    def last_step_at(self) -> float | None:
+        return getattr(self.coordinator, "last_step_at", None)
+
+    def fail(self, reason: str) -> None:
+        """The watchdog gives up (the trainer's ranks failed ``trainer.max_restarts`` times in a row, or the
+        engine died and the job cannot requeue itself): state ``failed`` with ``reason``; the server stops
+        and its job exits non-zero, not requeued. Clients see the state and stop."""
+        if self.failed:
+            return
+        self.failed, self.reason = True, reason
+        log.error("server %s failed: %s", self.name, reason)
+        if self.on_failed is not None:
+            self.on_failed()
+
+    def finish_training(self, reason: str | None = None) -> None:
+        """Training is complete (``reason``: why it ended before ``total_steps``). Alone, the server
+        finishes (clients stop). When client groups also use other trainable servers ("partners"), it
+        first keeps serving ("trained") until every partner has trained too, so that their agents, which
+        need this model, can still run."""
+        self.reason = reason
         if self.partners_done is None or self.partners_done():
             self._finish()
             return
@@ -103,8 +133,11 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
         if manage_engine:
             await ctx.engine.start()
         tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
+        training = None
         if ctx.coordinator is not None:
-            tasks.append(asyncio.create_task(ctx.coordinator.run(), name="coordinator"))
+            training = asyncio.create_task(ctx.coordinator.run(), name="coordinator")
+            tasks.append(training)
+        tasks.append(asyncio.create_task(watchdog.watch(ctx, training), name="watchdog"))
         try:
             yield
         finally:

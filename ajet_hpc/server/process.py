@@ -25,11 +25,14 @@ from ajet_hpc.server import preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.server.recovery import stored_summaries
-from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
+
+EXIT_FAILED = 3
+"""Exit code of a server whose watchdog gave up (state ``failed``): its job ends FAILED, not requeued."""
 
 
 def pick_server(topology: Topology, name: str | None) -> ServerConfig:
@@ -89,7 +92,12 @@ class _Heartbeat(threading.Thread):
 
     def beat(self) -> None:
         current = dataclasses.replace(
-            self.record, state=self.ctx.state, policy_version=self.ctx.engine.policy_version
+            self.record,
+            state=self.ctx.state,
+            policy_version=self.ctx.engine.policy_version,
+            step=self.ctx.step,
+            last_step_at=self.ctx.last_step_at,
+            reason=self.ctx.reason,
         )
         self.record = rendezvous.publish(self.path, current)
 
@@ -109,16 +117,23 @@ class _Heartbeat(threading.Thread):
 
 
 def _stop_when_idle(ctx: ServerContext, server: uvicorn.Server, grace_s: float = 60.0) -> None:
-    """Once training is complete: let open episodes end (at most ``grace_s``), then stop serving."""
+    """Once training is complete (or failed): let open episodes end (at most ``grace_s``), then stop
+    serving."""
 
     def wait() -> None:
         deadline = time.monotonic() + grace_s
         while ctx.episodes.open_count and time.monotonic() < deadline:
             time.sleep(0.5)
-        log.info("training complete; stopping the server")
+        log.info("%s; stopping the server", "failed" if ctx.failed else "training complete")
         server.should_exit = True
 
     threading.Thread(target=wait, name="stop-when-idle", daemon=True).start()
+
+
+def _sources_ended(run: RunDir, topology, server: str) -> str | None:
+    """For the coordinator: a description once every client task feeding ``server`` has ended its work."""
+    feeding = task_ends.feeding(run, topology, server)
+    return feeding.describe() if feeding.all_ended else None
 
 
 def _save_on_signal(ctx: ServerContext, budget_s: float) -> None:
@@ -228,6 +243,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         coordinator.stored = stored
         coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
         coordinator.collector.ended_count = ctx.episodes.ended_count
+        coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
         ctx.attach_trainer(coordinator)
     server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
     record = rendezvous.Rendezvous(
@@ -249,6 +265,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
     ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
+    ctx.on_failed = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server, grace_s=5.0))
     heartbeat.start()
     # Slurm's signal comes cluster.signal_delay_s before the kill; leave a margin for the requeue itself
     unregister = preemption.on_signal(
@@ -259,10 +276,13 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     finally:
         unregister()
         heartbeat.stop()
-        if ctx.training_done:  # left in place, state "finished": clients stop instead of waiting
+        if ctx.failed or ctx.training_done:  # left in place, state final: clients stop instead of waiting
             heartbeat.beat()
-            log.info("server %s finished its training", config.name)
+            if ctx.failed:
+                log.error("server %s failed: %s", config.name, ctx.reason)
+            else:
+                log.info("server %s finished its training (%s)", config.name, ctx.reason or "all steps")
         elif rendezvous.withdraw(run.rendezvous_file(config.name), heartbeat.record):
             log.info("rendezvous withdrawn; server %s stopped", config.name)
         sock.close()
-    return 0
+    return EXIT_FAILED if ctx.failed else 0

@@ -326,6 +326,10 @@ class ServerStatus(BaseModel):
     server: str
     model: str
     engine: str
+    state: str = Field(description="serving, training, trained, finished or failed (docs/reliability.md).")
+    reason: str | None = Field(default=None, description="Why the server finished early or failed.")
+    step: int = Field(default=0, description="The last trained step.")
+    last_step_at: float | None = Field(default=None, description="When that step was recorded (Unix time).")
     policy_version: int
     episodes_open: int
     episodes_finished: int

@@ -33,6 +33,8 @@ async def health(request: Request) -> dict[str, object]:
         "server": ctx.name,
         "job_id": ctx.job_id,
         "state": ctx.state,
+        "reason": ctx.reason,
+        "step": ctx.step,
         "policy_version": ctx.engine.policy_version,
     }
 
@@ -46,6 +48,10 @@ async def status(request: Request, authorization: str | None = Auth) -> p.Server
         server=ctx.name,
         model=ctx.name,
         engine=ctx.engine.name,
+        state=ctx.state,
+        reason=ctx.reason,
+        step=ctx.step,
+        last_step_at=ctx.last_step_at,
         policy_version=ctx.engine.policy_version,
         episodes_open=ctx.episodes.open_count,
         episodes_finished=counts["finished"],

@@ -4,6 +4,11 @@ Each server writes ``RUN/servers/<name>.json`` by rename (never in place) when i
 heartbeat while it lives and removes the file on a clean exit. A file whose heartbeat is older than
 ``stale_after_s`` belongs to a server that died without cleaning up (killed, node lost): clients treat it
 as absent and keep waiting for the requeued server, which writes a new file with its new address.
+
+A server that ends for good leaves its file in place with its final state: ``finished`` (training done, or
+its task sources used up: ``reason`` says which) or ``failed`` (``reason`` says why); clients stop on
+either instead of waiting. ``step`` and ``last_step_at`` tell ``python -m ajet_hpc.status`` how far the
+training is. Files written before those fields existed read with their defaults.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ajet_hpc.storage.atomic import read_json, write_json_atomic
 FORMAT = 1
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 30.0
+FINAL_STATES = ("finished", "failed")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,9 @@ class Rendezvous:
     node: str
     state: str = "ready"
     policy_version: int = 0
+    step: int = 0  # the last trained step (0: none yet, or no trainer)
+    last_step_at: float | None = None  # when that step was recorded (time.time())
+    reason: str | None = None  # why the server finished or failed
     started_at: float = 0.0
     heartbeat_at: float = 0.0
     format: int = FORMAT
@@ -40,6 +49,11 @@ class Rendezvous:
 
     def is_stale(self, stale_after_s: float = STALE_AFTER_S) -> bool:
         return self.age_s() > stale_after_s
+
+    @property
+    def final(self) -> bool:
+        """The server ended for good (``finished`` or ``failed``): nobody should wait for it."""
+        return self.state in FINAL_STATES
 
 
 def publish(path: Path, rendezvous: Rendezvous) -> Rendezvous:

@@ -9,7 +9,7 @@ Layout (see docs/architecture.md)::
     RUN/jobs.json            jobs submitted for this run (backend, ids, log folders)
     RUN/servers/<name>.json  rendezvous of each server (written by rename)
     RUN/ckpt/<model>/        checkpoints
-    RUN/data/                HDF5 stores
+    RUN/data/                HDF5 stores; data/clients/<group>/<index>.end.json: that task's work is over
     RUN/logs/                one folder per job
 """
 
@@ -82,6 +82,10 @@ class RunDir:
     def client_store_dir(self, group: str) -> Path:
         """Where a client group keeps its stores: ``data/clients/<group>/<index>.h5``."""
         return self.data_dir / "clients" / group
+
+    def client_end_file(self, group: str, index: int) -> Path:
+        """Written once array task ``index`` of ``group`` has nothing left to run (``storage.task_ends``)."""
+        return self.client_store_dir(group) / f"{index}.end.json"
 
     @property
     def ckpt_dir(self) -> Path:

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
+from ajet_hpc.server import watchdog
 from ajet_hpc.server.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
@@ -39,9 +41,12 @@ from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 log = logging.getLogger(__name__)
 
-MAX_TRAINER_RESTARTS = 3
-"""Consecutive failed steps after which training stops; each failure restarts the ranks from their last
-checkpoint (a weight transfer broken midway, a rank that crashed)."""
+SOURCES_POLL_S = 5.0
+"""How often a coordinator waiting for a batch asks whether its clients' task sources are used up."""
+
+
+class TrainingGaveUp(RuntimeError):
+    """The ranks failed ``trainer.max_restarts + 1`` steps in a row; the message says why."""
 
 
 class Coordinator:
@@ -80,18 +85,29 @@ class Coordinator:
         return self.config
 
     async def run(self) -> None:
+        """Train to the end. On an error the watchdog decides (``ajet_hpc.server.watchdog``): a dead engine
+        checkpoints and requeues the job; anything else fails the server, which then stops (it never
+        serves an untrained model to the end of its allocation)."""
         try:
             await self._run()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("training stopped by an error; the server keeps serving without training")
-            raise
+        except Exception as exc:
+            engine_dead = watchdog.engine_failure(self.ctx.engine)
+            if engine_dead is not None:
+                log.error("training step failed with the engine dead: %s", exc)
+                watchdog.engine_died(self.ctx, engine_dead)  # checkpoints while the ranks still run
+                return
+            log.exception("training stopped by an error")
+            reason = str(exc) if isinstance(exc, TrainingGaveUp) else f"training stopped: {exc!r}"
+            metrics.append_event(self.metrics_path, self.server.name, "failed", reason, at_step=self.step)
+            self.ctx.fail(reason)
         finally:
             self.close()
 
     async def _run(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        _discard_batches(WorkDir(self.work_dir))  # left by an earlier job: nobody waits for their results
         sync_server = self._start_sync_server()
         try:
             channel = await self._start_ranks()
@@ -104,24 +120,23 @@ class Coordinator:
                 file=sys.stderr,
                 mininterval=1,
             )
-            failures = 0
+            failures, ended, retry = 0, None, None
             while self.step < total:
-                batch = await self.collector.next_batch()
+                batch, retry = retry or await self._next_batch(), None
+                if batch is None:
+                    ended = f"task sources exhausted at step {self.step} of {total} ({self.sources_ended()})"
+                    break
                 try:
                     await self._train_step(channel, batch)
                     failures = 0
                 except TrainerFailed as error:
+                    if watchdog.engine_failure(self.ctx.engine) is not None:
+                        raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
-                    if failures > MAX_TRAINER_RESTARTS:
-                        raise
-                    log.error(
-                        "step %d failed (%s); restarting the ranks from their last checkpoint (%d of %d)",
-                        self.step + 1,
-                        error,
-                        failures,
-                        MAX_TRAINER_RESTARTS,
-                    )
+                    self._restarting(error, failures)
                     self.close()
+                    _discard_batches(WorkDir(self.work_dir))
+                    retry = batch  # trained again by the new ranks: its episodes are not lost
                     channel = await self._start_ranks()
                     bar.reset(total)
                     bar.update(self.step)
@@ -129,12 +144,67 @@ class Coordinator:
                 bar.update(1)
             bar.close()
             self.collector.closed = True
+            if ended is not None:
+                await self._end_early(channel, ended)
             channel.request_stop()
         finally:
             if sync_server is not None:
                 sync_server.cancel()
         log.info("training of %s finished at step %d", self.server.name, self.step)
-        self.ctx.finish_training()
+        self.ctx.finish_training(ended)
+
+    last_step_at: float | None = None  # when the last step was recorded (time.time())
+    sources_ended: Callable[[], str | None] = staticmethod(lambda: None)
+    """Set by the server: a description once every client task feeding it has used up its tasks (or
+    failed for good), else None (``ajet_hpc.storage.task_ends``)."""
+
+    async def _next_batch(self) -> Batch | None:
+        """The collector's next batch; None once no batch can come: every feeding client task has used up
+        its tasks and none formed for ``SOURCES_POLL_S`` after that."""
+        pending = asyncio.ensure_future(self.collector.next_batch())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=SOURCES_POLL_S)
+                if done or pending.done():
+                    return pending.result()
+                if self.sources_ended() is not None:
+                    return None
+        finally:
+            pending.cancel()
+
+    def _restarting(self, error: TrainerFailed, failures: int) -> None:
+        """A step failed: record why (log, metrics event), or give up after ``max_restarts`` in a row."""
+        limit = self.config.max_restarts
+        step = self.step + 1
+        if failures > limit:
+            raise TrainingGaveUp(
+                f"trainer ranks failed {failures} time(s) in a row (trainer.max_restarts={limit}); "
+                f"last at step {step}: {error}"
+            ) from error
+        log.error(
+            "step %d failed (%s); restarting the ranks from their last checkpoint (restart %d of %d)",
+            step,
+            error,
+            failures,
+            limit,
+        )
+        metrics.append_event(
+            self.metrics_path,
+            self.server.name,
+            "trainer_restart",
+            str(error),
+            at_step=step,
+            restart=failures,
+            max_restarts=limit,
+        )
+
+    async def _end_early(self, channel: TrainerChannel, reason: str) -> None:
+        """No batch will come: checkpoint the last step (the final model), record why, and stop."""
+        log.warning("training of %s ends early: %s", self.server.name, reason)
+        if self.step and channel.last_checkpoint_step() != self.step:
+            channel.request_save(self.step)
+            await asyncio.to_thread(channel.wait_saved_blocking, self.step, 600)
+        metrics.append_event(self.metrics_path, self.server.name, "ended", reason, at_step=self.step)
 
     def _start_sync_server(self) -> asyncio.Task | None:
         """With in-memory weight syncs: the task that answers the ranks' control calls (``sync_channel``)."""
@@ -149,10 +219,6 @@ class Coordinator:
         """Start the ranks, wait until they have resumed from their last checkpoint (and handed the engine
         its weights), and continue from that step."""
         log_path = self.work_dir / "ranks.log"
-        work = WorkDir(self.work_dir)
-        for step in work.pending_steps():  # batches of an earlier start: their episodes count as consumed
-            log.info("discarding the batch of step %d left by an earlier start of the trainer", step)
-            work.batch_file(step).unlink(missing_ok=True)
         env = dict(os.environ if self.rank_env is None else self.rank_env)
         if self.sync_backend is not None:
             env[weight_sync.BACKEND_VAR] = self.sync_backend
@@ -342,6 +408,7 @@ class Coordinator:
             "time": time.time(),
         }
         metrics.append_row(self.metrics_path, row)
+        self.last_step_at = row["time"]
         if self.ctx.recorder is not None:
             self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
@@ -374,6 +441,14 @@ class Coordinator:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _discard_batches(work: WorkDir) -> None:
+    """Remove the batches left in the inbox by ranks that died or by an earlier job: restarted ranks would
+    train them on their own, unasked, while the coordinator submits that step again and waits for a result
+    that never comes."""
+    for step in work.pending_steps():
+        work.batch_file(step).unlink(missing_ok=True)
 
 
 def _sync_backend(engine, trainer: TrainerConfig) -> str | None:

@@ -5,6 +5,11 @@ removed first, so the file ends with every step exactly once. Several trainable 
 (their rows interleave; the ``model`` column tells them apart): appends and the rewrite of a resume hold a
 POSIX lock on ``metrics.jsonl.lock`` (``lockf``, which network file systems honour), so one server's
 resume never drops another's rows.
+
+Besides step rows the file holds *event rows*: ``{"event": ..., "model": ..., "reason": ..., "time": ...}``
+(a restart of the trainer's ranks, a server that failed or ended early). An event row has an ``event`` key and
+no ``step`` key; ``read_rows`` returns step rows only, ``read_events`` event rows only, and a resume never
+drops events (they happened, whatever step is trained again).
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ajet_hpc.storage.atomic import write_bytes_atomic
+
+EVENT = "event"
 
 KEYS = (
     "step",
@@ -44,6 +52,16 @@ KEYS = (
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The step rows of a metrics file (also the rows of other JSONL files without events, e.g. swaps)."""
+    return [row for row in _read_all(path) if EVENT not in row]
+
+
+def read_events(path: Path, model: str | None = None) -> list[dict[str, Any]]:
+    """The event rows of a metrics file (of ``model`` only, unless None), in the order written."""
+    return [row for row in _read_all(path) if EVENT in row and model in (None, row.get("model"))]
+
+
+def _read_all(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
@@ -60,6 +78,22 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
     missing = [key for key in ("step", "model") if key not in row]
     if missing:
         raise ValueError(f"a metrics row needs {missing}")
+    if EVENT in row:
+        raise ValueError(f"a step row has no {EVENT!r} key; write events with append_event")
+    _append(path, row)
+
+
+def append_event(path: Path, model: str, event: str, reason: str, **fields: Any) -> dict[str, Any]:
+    """Append an event row (``event`` names it, ``reason`` says why, ``fields`` add details such as
+    ``at_step``); returns the row."""
+    if "step" in fields:
+        raise ValueError("an event row has no 'step' key (readers take it for a step row); use 'at_step'")
+    row = {EVENT: event, "model": model, "reason": reason, **fields, "time": time.time()}
+    _append(path, row)
+    return row
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
     with _locked(path), path.open("a") as handle:
         handle.write(json.dumps(row, sort_keys=False) + "\n")
         handle.flush()
@@ -69,8 +103,10 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
 def truncate_after(path: Path, model: str, step: int) -> int:
     """Drop ``model``'s rows with a step above ``step`` (and torn lines); returns how many were dropped."""
     with _locked(path):
-        rows = read_rows(path)
-        kept = [row for row in rows if row.get("model") != model or row.get("step", 0) <= step]
+        rows = _read_all(path)
+        kept = [
+            row for row in rows if row.get("model") != model or EVENT in row or row.get("step", 0) <= step
+        ]
         dropped = len(rows) - len(kept)
         if path.exists() and (dropped or len(rows) != _line_count(path)):
             write_bytes_atomic(path, "".join(json.dumps(row) + "\n" for row in kept).encode())

@@ -1,0 +1,83 @@
+"""The watchdog of a server job: what the server does when a part of it dies.
+
+- **Trainer ranks** that fail a step are restarted from their last checkpoint by the coordinator, up to
+  ``trainer.max_restarts`` times in a row; then the coordinator calls ``ServerContext.fail``.
+- **The engine** (vLLM's engine core process, killed or crashed) cannot be restarted inside the running
+  process without losing the weights the trainer sent it. The watchdog notices the dead engine, checkpoints
+  the trainer at its current step and flushes the episode store (the hooks a preemption runs), then
+  requeues its own Slurm job: the job comes back with a fresh engine and resumes exactly there, like after
+  a preemption; clients wait for it as for any requeue. Off Slurm (no requeue) the server fails instead.
+- **Failed** (``ServerContext.fail``): the rendezvous says ``failed`` with the reason, the server stops
+  serving within seconds and the job exits non-zero without requeueing.
+
+docs/reliability.md, "Watchdog", says the same for users.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+from typing import Any
+
+from ajet_hpc.launch import environment
+from ajet_hpc.server import preemption
+
+log = logging.getLogger(__name__)
+
+POLL_S = 2.0
+
+
+def engine_failure(engine: Any) -> str | None:
+    """Why the engine cannot serve any more (its process died), or None while it is fine. Engines without
+    a separate process (transformers) never fail this way."""
+    return getattr(engine, "failure", None)
+
+
+def requeue_own_job() -> str | None:
+    """Put this Slurm job back in the queue (``scontrol requeue``); returns why that was not possible, or
+    None when it was done (Slurm then stops this job like on a preemption)."""
+    job = environment.current()
+    if not job.on_slurm:
+        return "not a Slurm job: nothing can requeue it"
+    try:
+        done = subprocess.run(
+            ["scontrol", "requeue", job.job_id], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job.job_id}: {exc}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job.job_id}: {(done.stderr or done.stdout).strip()}"
+    return None
+
+
+def engine_died(ctx: Any, why: str) -> None:
+    """Save what the dead engine would lose, then requeue this job (once; later calls do nothing).
+
+    Runs on the event loop's thread and blocks it, like the preemption hooks it runs: the trainer's ranks
+    are other processes and save meanwhile."""
+    if ctx.engine_lost is not None or ctx.failed:
+        return
+    ctx.engine_lost = why
+    log.error("the engine died (%s): checkpointing the trainer, then requeueing the job", why)
+    failed_hooks = preemption.run_hooks()
+    if failed_hooks:
+        log.warning("%d checkpoint hook(s) failed: the job resumes from the last checkpoint", failed_hooks)
+    error = requeue_own_job()
+    if error is not None:
+        ctx.fail(f"the engine died ({why}) and the job could not requeue itself ({error})")
+        return
+    log.info("job requeued: it comes back with a fresh engine and resumes from the checkpoint")
+
+
+async def watch(ctx: Any, training: asyncio.Task | None, poll_s: float = POLL_S) -> None:
+    """Check the engine every ``poll_s``; on its death stop training, save and requeue (``engine_died``)."""
+    while not ctx.failed and ctx.engine_lost is None:
+        await asyncio.sleep(poll_s)
+        why = engine_failure(ctx.engine)
+        if why is None:
+            continue
+        engine_died(ctx, why)
+        if training is not None:  # the ranks were asked to stop: no restart of them on the way down
+            training.cancel()
+        return
