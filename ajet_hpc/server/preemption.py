@@ -105,9 +105,9 @@ def on_term() -> None:
     module doc). The caller stops the server afterwards."""
     global _deadline
     deadline, _deadline = _deadline, None
-    if deadline is not None:
-        checkpoint(deadline, _budgets.user_signal_s)
-        _requeue("the time limit is near")
+    if deadline is not None:  # not after another save: the job is going down for another reason
+        if checkpoint(deadline, _budgets.user_signal_s):
+            _requeue("the time limit is near")
         return
     checkpoint("SIGTERM", _budgets.term_s)
     if _requeue_by_caller or _job_id is None:

@@ -269,7 +269,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             end_time=lambda: deadline.job_end_time(job.job_id),
             fire=preemption.signal_deadline,
             ready=lambda: server.started,
-            finished=lambda: ctx.training_done,
+            finished=lambda: ctx.training_done or server.should_exit,  # done, or stopping already
         )
         watch.start()
     try:

@@ -28,7 +28,15 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, read_batch, write_error
+from ajet_hpc.trainer.protocol import (
+    TrainerChannel,
+    TrainerFailed,
+    WorkDir,
+    read_batch,
+    read_trainer_state,
+    step_name,
+    write_error,
+)
 from ajet_hpc.trainer.step import plan_micro_batches
 from ajet_hpc.trainer.worker import export_root
 
@@ -342,6 +350,48 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     finally:
         second.kill()
     assert sorted(p.name for p in work.weights.iterdir()) == ["step-000001", "step-000002"]
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_trusted(
+    tiny_model: Path, batches: list[list[Sample]], tmp_path: Path
+) -> None:
+    """A save that cannot finish (Slurm's SIGKILL after KillWait): the ranks are asked to save step 2 on
+    top of the checkpoint of step 1 and frozen (SIGSTOP) as soon as DeepSpeed has begun writing
+    ``ds/step-000002``, then killed with SIGKILL. The moment cannot be timed otherwise; freezing first lets
+    the test look at the disk exactly as the kill leaves it. ``trainer_state.json`` still names step 1,
+    and the next start resumes there with step 1's weights."""
+    import signal
+
+    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET)
+    work = WorkDir(tmp_path)
+    first = Ranks(tmp_path, tiny_model, config)
+    try:
+        after_step1 = weights_of(Path(first.step(1, batches[0], save_checkpoint=True)["weights_dir"]))
+        first.step(2, batches[1])
+        partial = work.ds / step_name(2)
+        first.channel.request_save(2)
+        while not partial.exists() and first.proc.poll() is None:
+            pass  # no sleep: catch the save in its first milliseconds
+        os.killpg(first.proc.pid, signal.SIGSTOP)
+        state = read_trainer_state(work)
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+    finally:
+        first.kill()
+    assert partial.exists()
+    assert state is not None and state.step == 1, "the save finished before the ranks could be frozen"
+    assert read_trainer_state(work).step == 1
+
+    exports = WorkDir(tmp_path, export_root=export_root(tmp_path))
+    shutil.rmtree(exports.weights_dir(1), ignore_errors=True)  # the resumed ranks export step 1 again
+    second = Ranks(tmp_path, tiny_model, config)
+    try:
+        assert second.ready["step"] == 1
+        assert max_diff(weights_of(Path(second.ready["weights_dir"])), after_step1) == 0.0
+        assert second.stop() == 0
+    finally:
+        second.kill()
 
 
 @pytest.mark.slow

@@ -158,3 +158,22 @@ def test_deadline_watch_fires_once_when_serving_and_never_after_training(monkeyp
     unlimited.start()
     unlimited.join(timeout=5)
     assert len(fired) == 1 and not done.is_alive() and not unlimited.is_alive()
+
+
+def test_a_deadline_after_a_cancel_neither_saves_again_nor_requeues(fresh, monkeypatch) -> None:
+    """scancel moves the end time to now: the deadline thread may fire while the server stops; the job
+    must stay cancelled."""
+    saves: list[float] = []
+    unregister = preemption.on_signal(saves.append)
+    previous = signal.signal(signal.SIGTERM, lambda s, f: preemption.on_term())
+    monkeypatch.setattr(slurmcli, "job_record", lambda job: record(state="COMPLETING"))
+    try:
+        preemption.on_term()  # the cancel's SIGTERM
+        thread = threading.Thread(target=preemption.signal_deadline, args=("time limit in -1 s",))
+        thread.start()
+        thread.join()
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        unregister()
+    assert saves == [20.0] and fresh == []
