@@ -89,6 +89,13 @@ class ClusterConfig(BaseModel):
         ge=10,
         description="Seconds before the time limit at which Slurm sends the checkpoint signal.",
     )
+    kill_wait_s: int = Field(
+        default=30,
+        ge=3,
+        description="Seconds from Slurm's SIGTERM to its SIGKILL: the cluster's KillWait (scontrol show "
+        "config), plus the partition's GraceTime where preemption sends SIGTERM. A server saves on SIGTERM "
+        "within two thirds of it and stops in the rest.",
+    )
     env_cache: str | None = Field(
         default=None,
         min_length=1,

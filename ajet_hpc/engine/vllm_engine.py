@@ -18,6 +18,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import signal
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STOPPING_VAR = "AJET_ENGINE_STOPPING_FILE"
+"""A file that exists once the server stops its engine: until then vLLM's processes ignore SIGTERM."""
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -104,6 +109,7 @@ class VllmEngine(EngineLifecycle):
         """How long generation waited during the last weight sync."""
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
+        self._stopping = Path(os.devnull)  # set by start()
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -119,6 +125,9 @@ class VllmEngine(EngineLifecycle):
         settings = self.settings
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
+        # inherited by vLLM's processes (see shield_from_job_signals); created by stop()
+        self._stopping = Path(tempfile.mkdtemp(prefix="ajet-engine-")) / "stopping"
+        os.environ[STOPPING_VAR] = str(self._stopping)
         dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
         config = json.loads((self.model_path / "config.json").read_text())
         self._vocab_size = config["vocab_size"]
@@ -167,6 +176,8 @@ class VllmEngine(EngineLifecycle):
             return
         llm, self._llm = self._llm, None
         started = time.monotonic()
+        with contextlib.suppress(OSError):
+            self._stopping.touch()  # vLLM's processes obey the SIGTERM of its shutdown now
         if self._in_flight:
             await llm.abort(list(self._in_flight))  # their streams get their final "abort" output now
         if llm.output_handler is not None:  # else it may log the engine's death as a failure
@@ -176,6 +187,7 @@ class VllmEngine(EngineLifecycle):
         await asyncio.to_thread(llm.shutdown)
         # AsyncLLM.__del__ shuts down again; run it now, not at interpreter exit (where it fails).
         del llm
+        shutil.rmtree(self._stopping.parent, ignore_errors=True)
         log.info("vllm engine: stopped in %.1f s", time.monotonic() - started)
 
     async def generate(
@@ -373,3 +385,36 @@ def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
         # incremental detokenizer and the decoding of every logprob's token in the API process
         detokenize=bool(params.stop),
     )
+
+
+def shield_from_job_signals() -> None:
+    """In vLLM's engine core and worker processes (our vLLM plugin calls it there): survive the job's signals.
+
+    Slurm signals every process of a job: USR2 (its checkpoint signal, whose default action kills) and
+    SIGTERM (preemption, cancel, time limit), on which vLLM's processes shut down at once: requests in
+    flight would fail while the server saves its checkpoint. The server stops its engine itself
+    (`VllmEngine.stop`). So USR2 is ignored, and SIGTERM reaches vLLM's own handler only once the server
+    has created its ``STOPPING_VAR`` file, just before vLLM's shutdown sends its SIGTERM. vLLM installs
+    its handlers before it loads plugins, so this wraps them. Does nothing in any other process."""
+    import multiprocessing
+    import threading
+
+    stopping = os.environ.get(STOPPING_VAR)
+    if stopping is None or multiprocessing.parent_process() is None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame) -> None:
+        if not os.path.exists(stopping):
+            log.info("vLLM process %d: ignoring SIGTERM (the server stops its engine itself)", os.getpid())
+            return
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)

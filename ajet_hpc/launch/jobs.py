@@ -2,7 +2,8 @@
 
 They are checkpointable: on Slurm's pre-timeout or preemption signal (USR2), submitit calls
 ``checkpoint`` and requeues the job, which then calls the same callable again; the server and client
-resume from the run directory. A job that ends for good without success (a server whose watchdog gave up,
+resume from the run directory. A server also saves on SIGTERM and before its time limit
+(`ajet_hpc.server.preemption`). A job that ends for good without success (a server whose watchdog gave up,
 a client task whose servers failed) raises, so that Slurm marks it FAILED and nothing requeues it.
 """
 
@@ -20,18 +21,24 @@ class ServerJob(submitit.helpers.Checkpointable):
         self.run_dir, self.name = run_dir, name
 
     def __call__(self) -> int:
+        import signal
+
+        from ajet_hpc.server import preemption
         from ajet_hpc.server.process import serve
 
+        # submitit's own handler ignores SIGTERM, the only signal of a preemption on many clusters: ours
+        # saves (``preemption``) and stops; uvicorn's, which saves first, replaces it while the server serves
+        signal.signal(signal.SIGTERM, preemption.handle_term_while_starting)
         code = serve(self.run_dir, self.name)
         if code:
             raise JobFailed(f"server {self.name} failed (exit code {code}): see its rendezvous and log")
         return code
 
     def checkpoint(self, *args, **kwargs):  # type: ignore[override]
-        """Save the trainer's state and flush the episode store, then let submitit requeue us."""
+        """USR2: save the trainer's state and flush the episode store (once), then let submitit requeue us."""
         from ajet_hpc.server import preemption
 
-        preemption.run_hooks()
+        preemption.on_user_signal()
         return super().checkpoint(*args, **kwargs)
 
 

@@ -113,6 +113,22 @@ def expand_ranges(text: str) -> list[int]:
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
+def job_record(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` of one job as field -> value ({} when Slurm does not know it)."""
+    out = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+    for line in out.splitlines():
+        rec = _parse_scontrol_record(line)
+        if "JobId" in rec:
+            return rec
+    return {}
+
+
+def requeue(job_id: str) -> None:
+    """Put a job back in the queue (``scontrol requeue``); a running one is stopped first (SIGTERM, then
+    SIGKILL after KillWait) and starts again later with SLURM_RESTART_COUNT + 1."""
+    _run(["scontrol", "requeue", str(job_id)])
+
+
 def cancel(job_ids: Iterable[str]) -> None:
     ids = [str(job_id) for job_id in job_ids]
     if ids:

@@ -11,8 +11,9 @@ from ajet_hpc.server.process import serve
 
 def _checkpoint_then_stop(signum, frame) -> None:
     """SIGUSR2 outside submitit (sbatch/server.sbatch forwards Slurm's checkpoint signal): save the
-    trainer's state (``preemption``), then stop as on SIGTERM; the batch script requeues the job."""
-    preemption.run_hooks()
+    trainer's state (``preemption``), then stop as on SIGTERM (which saves no second time); the batch
+    script requeues the job."""
+    preemption.on_user_signal()
     signal.raise_signal(signal.SIGTERM)
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="server name from the topology (default: the only server)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGUSR2, _checkpoint_then_stop)
+    signal.signal(signal.SIGTERM, preemption.handle_term_while_starting)  # uvicorn's while it serves
     return serve(args.run_dir, args.name)
 
 

@@ -21,7 +21,7 @@ from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.server import preemption
+from ajet_hpc.server import deadline, preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.server.recovery import stored_summaries
@@ -136,8 +136,20 @@ def _sources_ended(run: RunDir, topology, server: str) -> str | None:
     return feeding.describe() if feeding.all_ended else None
 
 
+def _saving_on_sigterm(handle_exit):
+    """uvicorn's exit handler, saving first on SIGTERM (``preemption.on_term``): uvicorn installs it for
+    SIGTERM and SIGINT while it serves."""
+
+    def handle(sig: int, frame) -> None:
+        if sig == signal.SIGTERM:
+            preemption.on_term()
+        handle_exit(sig, frame)
+
+    return handle
+
+
 def _save_on_signal(ctx: ServerContext, budget_s: float) -> None:
-    """The server's part of a pre-timeout/preemption signal (see ``preemption``)."""
+    """The server's part of the save when its job goes down (see ``preemption``)."""
     started = time.monotonic()
     try:
         if ctx.coordinator is not None and not ctx.training_done:
@@ -267,13 +279,29 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
     ctx.on_failed = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server, grace_s=5.0))
     heartbeat.start()
-    # Slurm's signal comes cluster.signal_delay_s before the kill; leave a margin for the requeue itself
-    unregister = preemption.on_signal(
-        lambda: _save_on_signal(ctx, max(10.0, topology.cluster.signal_delay_s - 20.0))
+    # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
+    cluster = topology.cluster
+    preemption.configure(
+        preemption.Budgets.of(cluster.signal_delay_s, cluster.kill_wait_s),
+        job.job_id if job.on_slurm else None,
     )
+    unregister = preemption.on_signal(lambda budget_s: _save_on_signal(ctx, budget_s))
+    server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
+    watch = None
+    if job.on_slurm:
+        watch = deadline.DeadlineWatch(
+            cluster.signal_delay_s,
+            end_time=lambda: deadline.job_end_time(job.job_id),
+            fire=preemption.signal_deadline,
+            ready=lambda: server.started,
+            finished=lambda: ctx.training_done or ctx.failed or server.should_exit,  # done, or stopping
+        )
+        watch.start()
     try:
         server.run(sockets=[sock])
     finally:
+        if watch is not None:
+            watch.stop()
         unregister()
         heartbeat.stop()
         if ctx.failed or ctx.training_done:  # left in place, state final: clients stop instead of waiting

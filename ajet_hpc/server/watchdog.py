@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 from typing import Any
 
-from ajet_hpc.launch import environment
+from ajet_hpc.launch import environment, slurmcli
 from ajet_hpc.server import preemption
 
 log = logging.getLogger(__name__)
@@ -41,13 +40,9 @@ def requeue_own_job() -> str | None:
     if not job.on_slurm:
         return "not a Slurm job: nothing can requeue it"
     try:
-        done = subprocess.run(
-            ["scontrol", "requeue", job.job_id], capture_output=True, text=True, timeout=60, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        slurmcli.requeue(job.job_id)
+    except slurmcli.SlurmError as exc:
         return f"scontrol requeue {job.job_id}: {exc}"
-    if done.returncode != 0:
-        return f"scontrol requeue {job.job_id}: {(done.stderr or done.stdout).strip()}"
     return None
 
 
@@ -60,9 +55,8 @@ def engine_died(ctx: Any, why: str) -> None:
         return
     ctx.engine_lost = why
     log.error("the engine died (%s): checkpointing the trainer, then requeueing the job", why)
-    failed_hooks = preemption.run_hooks()
-    if failed_hooks:
-        log.warning("%d checkpoint hook(s) failed: the job resumes from the last checkpoint", failed_hooks)
+    if not preemption.checkpoint(f"the engine died ({why})", preemption.save_budget_s()):
+        log.warning("a save was already taken in this job: the requeued job resumes from it")
     error = requeue_own_job()
     if error is not None:
         ctx.fail(f"the engine died ({why}) and the job could not requeue itself ({error})")

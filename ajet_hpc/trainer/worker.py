@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     # Slurm's checkpoint signal reaches every process of the job (on every node, for srun ranks); the
     # server answers it by asking the ranks to save (save-request), so the ranks must survive it.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # So must they survive Slurm's SIGTERM (a preemption) until the server has asked them to stop: it may
+    # first ask them to save. Once asked (or to end a rank that hangs after being asked), SIGTERM ends them.
+    stop_file = WorkDir(Path(args.work_dir)).stop
+    signal.signal(signal.SIGTERM, lambda signum, frame: _exit_if_asked(stop_file))
     env = rank_env(os.environ)
     # before anything starts CUDA: this rank's one GPU of the placement (AJET_RANK_GPUS)
     env = dataclasses.replace(env, gpu_bound=bind_rank_gpu(os.environ, env.node, env.local_rank))
@@ -83,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     offline_hub()
     config = TrainerConfig.model_validate_json(args.config)
     return Rank(env, args.work_dir, args.model, config).run()
+
+
+def _exit_if_asked(stop_file: Path) -> None:
+    if stop_file.exists():
+        raise SystemExit(128 + signal.SIGTERM)
+    logging.getLogger(__name__).info("SIGTERM ignored: the server asks the ranks to save, then to stop")
 
 
 class Rank:

@@ -344,3 +344,32 @@ def test_vllm_loads_tied_embeddings_in_place(run: Run, tied_pair: tuple[Path, Pa
             assert max_diff(out.logprobs, score(folder, prompt, out.token_ids)) < 1e-4, folder.name
     finally:
         run(engine.stop())
+
+
+def test_vllm_processes_survive_the_jobs_signals(run: Run, vllm_engine: VllmEngine) -> None:
+    """Slurm signals every process of the job (USR2, and SIGTERM on a preemption); vLLM's engine core
+    must not die of them while the server saves: it keeps generating, a request in flight included, and
+    still stops when the server stops it (the fixture's teardown)."""
+    import signal
+
+    import psutil
+
+    children = psutil.Process().children(recursive=True)  # also Python's resource trackers: not vLLM's
+    vllm = [p for p in children if "EngineCore" in p.name() or "Worker" in p.name()]
+    assert any("EngineCore" in p.name() for p in vllm), [p.name() for p in children]
+    prompt = prompt_of(vllm_engine, "Still there?")
+
+    async def signalled_mid_request() -> Any:
+        stream = vllm_engine.generate(prompt, SamplingParams(max_tokens=48, temperature=0.0), "sig")
+        chunks = [await anext(stream)]
+        for process in vllm:
+            process.send_signal(signal.SIGUSR2)
+            process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.0)  # vLLM's own handler would have shut the engine core down by now
+        return chunks + [chunk async for chunk in stream]
+
+    chunks = run(signalled_mid_request())
+    assert chunks[-1].finish_reason in ("stop", "length")
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in vllm), vllm
+    after = run(generate_all(vllm_engine, prompt, GREEDY, "after-signals"))
+    assert after.finish_reason in ("stop", "length") and after.token_ids

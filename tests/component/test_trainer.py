@@ -28,7 +28,15 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, read_batch, write_error
+from ajet_hpc.trainer.protocol import (
+    TrainerChannel,
+    TrainerFailed,
+    WorkDir,
+    read_batch,
+    read_trainer_state,
+    step_name,
+    write_error,
+)
 from ajet_hpc.trainer.step import plan_micro_batches
 from ajet_hpc.trainer.worker import export_root
 
@@ -342,6 +350,63 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     finally:
         second.kill()
     assert sorted(p.name for p in work.weights.iterdir()) == ["step-000001", "step-000002"]
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_trusted(
+    tiny_model: Path, batches: list[list[Sample]], tmp_path: Path
+) -> None:
+    """A save that cannot finish (Slurm's SIGKILL after KillWait): the ranks, with a checkpoint of step N,
+    train step N+1 and are asked to save it; as soon as DeepSpeed has begun writing ``ds/step-<N+1>`` every
+    process is frozen (SIGSTOP), so that the disk can be looked at exactly as a kill leaves it, and killed
+    with SIGKILL. ``trainer_state.json`` still names step N, and the next start resumes there. The moment
+    cannot be timed otherwise: when the freeze comes after the commit (the save of the tiny model takes
+    milliseconds), the ranks start again from that checkpoint and the test tries once more (at most 3
+    times). (torchrun starts each rank in a session of its own: the signals go to every process.)"""
+    import signal
+
+    import psutil
+
+    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET)
+    work = WorkDir(tmp_path)
+    caught = None
+    for _attempt in range(3):
+        ranks = Ranks(tmp_path, tiny_model, config)
+        try:
+            trusted = ranks.ready["step"]
+            if trusted == 0:
+                trusted = 1
+                ranks.step(1, batches[0], save_checkpoint=True)
+            step = trusted + 1
+            ranks.step(step, batches[step % len(batches)])
+            torchrun = psutil.Process(ranks.proc.pid)
+            every = [torchrun, *torchrun.children(recursive=True)]
+            partial = work.ds / step_name(step)
+            ranks.channel.request_save(step)
+            while not partial.exists() and ranks.proc.poll() is None:
+                pass  # no sleep: catch the save in its first milliseconds
+            for process in every:
+                process.send_signal(signal.SIGSTOP)
+            state = read_trainer_state(work)
+            for process in every:
+                process.send_signal(signal.SIGKILL)
+            ranks.proc.wait()
+        finally:
+            ranks.kill()
+        assert state is not None and state.step in (trusted, step)
+        if state.step == trusted:
+            caught = (trusted, partial)
+            break
+    assert caught is not None, "every save finished before the ranks could be frozen"
+    trusted, partial = caught
+    assert partial.exists() and read_trainer_state(work).step == trusted
+
+    resumed = Ranks(tmp_path, tiny_model, config)
+    try:
+        assert resumed.ready["step"] == trusted
+        assert resumed.stop() == 0
+    finally:
+        resumed.kill()
 
 
 @pytest.mark.slow
