@@ -152,7 +152,7 @@ class GroupTask:
         done |= elsewhere
         try:
             self.refresh_ended()
-        except ServerFinished as exc:
+        except (ServerFinished, ServerGone) as exc:
             log.info("nothing to do: %s", exc)
             return self.tally
         slots = threading.BoundedSemaphore(self.group.in_flight)
