@@ -79,6 +79,8 @@ class Coordinator:
         self.channel: TrainerChannel | None = None
         self.step = 0
         self._in_flight: _InFlight | None = None  # the step the ranks are training, until it is recorded
+        self._recorded_step = 0  # the last step recorded (metrics row, store) since the ranks started
+        self.stopping = False  # set by save_on_signal: no batch goes to the ranks any more
 
     @property
     def trainer(self) -> TrainerConfig:
@@ -123,6 +125,8 @@ class Coordinator:
             failures, ended, retry = 0, None, None
             while self.step < total:
                 batch, retry = retry or await self._next_batch(), None
+                if self.stopping:  # saved on a signal: the job is going down, nothing more is trained
+                    await asyncio.Future()  # until the server's shutdown cancels this task
                 if batch is None:
                     ended = f"task sources exhausted at step {self.step} of {total} ({self.sources_ended()})"
                     break
@@ -236,6 +240,7 @@ class Coordinator:
         self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
         self.step = int(ready.get("step", 0))
+        self._recorded_step = self.step  # steps after the checkpoint run (and are recorded) again
         if self.step:
             await self._resume(ready)
         dropped = metrics.truncate_after(self.metrics_path, self.server.name, self.step)
@@ -339,6 +344,7 @@ class Coordinator:
         that step unless the trusted checkpoint already is it, and are asked to exit. Returns the step
         saved, None when there was nothing to save (no step yet, or the ranks are not up).
         """
+        self.stopping = True
         channel = self.channel
         if channel is None or self.process is None or self.process.poll() is not None:
             log.warning("signal: the trainer's ranks are not running; nothing to checkpoint")
@@ -378,6 +384,10 @@ class Coordinator:
     def _record(
         self, batch: Batch, samples, merging: MergeStats, result: dict, step_s: float, sync_s: float
     ) -> None:
+        if self.step <= self._recorded_step:  # save_on_signal recorded it during the step's last awaits
+            log.info("step %d is recorded already", self.step)
+            return
+        self._recorded_step = self.step
         mean, std = reward_stats(batch)
         lag = [self.step - 1 - sample.policy_version for sample in samples]
         row = {
