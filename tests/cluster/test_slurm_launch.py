@@ -79,7 +79,10 @@ def test_server_and_client_array_on_dev_cluster(tmp_path: Path, cleanup: list[st
     assert status.returncode == 0, status.stderr
     assert f"server-policy          {server_id}" in status.stdout
     assert "RUNNING" in status.stdout and "g1" in status.stdout
-    assert f"policy           serving  {record.url}" in status.stdout
+    assert (
+        f"policy           serving  step 0, no step yet, policy v0; {record.url} job {server_id} on g1"
+        in (status.stdout)
+    )
 
     again = launch(run)  # relaunch on the run directory: the live server is left alone
     assert f"still active as job {server_id}" in again.stdout
