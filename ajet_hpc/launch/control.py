@@ -13,6 +13,7 @@ from typing import TextIO
 
 from ajet_hpc.launch import registry, slurmcli
 from ajet_hpc.launch.registry import SubmittedJob
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows
@@ -214,8 +215,6 @@ def wait_stopped(job: SubmittedJob, timeout_s: float, poll_s: float = 1.0) -> li
 
 def kill_local(job: SubmittedJob) -> None:
     """SIGKILL a local job's controllers and everything under them (a task that ignored SIGTERM)."""
-    from ajet_hpc.launch.supervise import kill_tree
-
     if job.backend != "local":
         raise ValueError(f"{job.name} is a {job.backend} job; only local jobs are killed by pid")
     for task in job.tasks:

@@ -7,15 +7,13 @@ until Ctrl-C.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
 
-import psutil
-
 from ajet_hpc.launch.backends import Backend, LocalBackend
 from ajet_hpc.launch.registry import SubmittedJob
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows
 
@@ -108,19 +106,6 @@ def _stop(handles: list, grace_s: float = 45.0) -> None:
                 "job %s did not stop within %.0fs: killing it and its children", handle.job_id, grace_s
             )
             kill_tree(handle._process.pid)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (a job's task, its engine and trainer processes)."""
-    try:
-        root = psutil.Process(pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for process in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(family, timeout=10)
 
 
 def _exit_failed(handle) -> bool:

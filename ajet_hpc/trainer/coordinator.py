@@ -28,6 +28,7 @@ from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.server import watchdog
 from ajet_hpc.server.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.storage.episode_store import StepRecord
@@ -438,16 +439,23 @@ class Coordinator:
         )
 
     def close(self) -> None:
-        """Stop the ranks: ask (they exit at their next wait for a batch), then SIGTERM, then SIGKILL."""
+        """Stop the ranks: ask (they exit at their next wait for a batch), then SIGTERM, then SIGKILL to
+        torchrun and every rank (each rank runs in a session of its own: killing torchrun alone would
+        leave ranks hung in a collective running on)."""
         if self.process is None or self.process.poll() is not None:
             return
         TrainerChannel(self.work_dir).request_stop()
-        for action, wait_s in ((None, 10), (self.process.terminate, 10), (self.process.kill, 10)):
+        process = self.process
+        for name, action in (
+            ("", None),
+            ("SIGTERM", process.terminate),
+            ("SIGKILL", lambda: kill_tree(process.pid)),
+        ):
             if action is not None:
-                log.warning("trainer ranks still running: %s", action.__name__)
+                log.warning("trainer ranks still running: %s", name)
                 action()
             try:
-                self.process.wait(timeout=wait_s)
+                process.wait(timeout=10)
                 return
             except subprocess.TimeoutExpired:
                 continue

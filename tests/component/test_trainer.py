@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ajet_hpc.algo.grpo import policy_loss, token_logprobs
 from ajet_hpc.algo.samples import Sample, collate
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
@@ -257,13 +257,10 @@ class Ranks:
         return self.proc.wait(timeout=60)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+        """A crash: SIGKILL to torchrun and every rank (a SIGTERM alone they ignore until asked to stop,
+        and torchrun puts each rank in a session of its own, so no process group holds them all)."""
+        kill_tree(self.proc.pid)
+        self.proc.wait()
 
 
 def check_against_reference(
