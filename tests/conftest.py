@@ -37,3 +37,32 @@ def tiny_qwen_tokenizer():
     from ajet_hpc.engine.tiny_qwen import build_tokenizer
 
     return build_tokenizer()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed Slurm test reports what CI cannot be asked afterwards: the jobs' states and the last lines
+    of the run's job logs and rank logs (a report section, printed with the failure)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or "slurm" not in getattr(item, "fixturenames", ()):
+        return
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if tmp_path is not None:
+        report.sections.append(("cluster diagnosis", _diagnosis(Path(tmp_path))))
+
+
+def _diagnosis(tmp_path: Path, lines: int = 12, files: int = 8) -> str:
+    import subprocess
+
+    parts = []
+    squeue = subprocess.run(
+        ["squeue", "-a", "-o", "%i %j %T %M %R"], capture_output=True, text=True, check=False
+    )
+    parts.append("$ squeue\n" + squeue.stdout.strip())
+    logs = sorted(tmp_path.glob("**/logs/**/*.out")) + sorted(tmp_path.glob("**/ckpt/*/ranks.log"))
+    recent = sorted(logs, key=lambda p: p.stat().st_mtime)[-files:]
+    for path in recent:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.relative_to(tmp_path)} (last {lines} lines)\n" + "\n".join(tail))
+    return "\n".join(parts)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,3 +101,23 @@ def tied_copy(model_dir: Path, dest: Path, sigma: float = 0.0, seed: int = 2) ->
     for extra in [*Path(model_dir).glob("tokenizer*"), Path(model_dir) / "chat_template.jinja"]:
         (Path(dest) / extra.name).write_bytes(extra.read_bytes())
     return Path(dest)
+
+
+def recorded_steps(run_dir: Path) -> list[int]:
+    """The steps ``metrics.jsonl`` of a run records, in order (event rows left out)."""
+    from ajet_hpc.trainer import metrics
+
+    return [row["step"] for row in metrics.read_rows(Path(run_dir) / "metrics.jsonl")]
+
+
+def ranks_trained_steps(run_dir: Path, model: str = "policy") -> Counter:
+    """How often the ranks trained each step, over every start (``ranks.log`` is appended to)."""
+    text = (Path(run_dir) / "ckpt" / model / "ranks.log").read_text()
+    return Counter(int(m) for m in re.findall(r"\[rank 0\] \S+: step (\d+): loss", text))
+
+
+def jobs_ended(*job_ids: str) -> bool:
+    """True once no array task of these Slurm jobs is pending, running or completing."""
+    from ajet_hpc.launch import slurmcli
+
+    return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))

@@ -16,9 +16,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, wait_until
+from support import REPO, jobs_ended, recorded_steps, run_module, wait_until
 
-from ajet_hpc.launch import slurmcli
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.episode_store import EpisodeReader
 
@@ -27,13 +26,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slur
 TOTAL = 10
 OLD_AGENT, NEW_AGENT = "ajet_hpc.agents.arithmetic:solve", "tests.fixture_agents:arithmetic_swapped"
 AGENTS = (OLD_AGENT, NEW_AGENT)
-
-
-def steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
 def jobs(run: Path) -> list[dict]:
@@ -57,7 +49,7 @@ def test_swap_client_group_mid_training(tmp_path: Path) -> None:
     first = {entry["name"]: entry["job_id"] for entry in jobs(run)}
     every = [first["server-policy"], first["clients-math"]]
     try:
-        wait_until(lambda: len(steps(run)) >= 2, 600, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 600, "step 2")
         swapped = run_module(
             "ajet_hpc.launch", str(run), "--swap-clients", "math", "--agent", NEW_AGENT, "--array", "1"
         )
@@ -82,13 +74,11 @@ def test_swap_client_group_mid_training(tmp_path: Path) -> None:
         every.append(newest["clients-math"])
 
         wait_until(
-            lambda: all(
-                s.state not in slurmcli.ACTIVE_STATES for j in every for s in slurmcli.job_states([j])
-            ),
+            lambda: jobs_ended(*every),
             600,
             "the run to finish after the swap",
         )
-        assert steps(run) == list(range(1, TOTAL + 1))  # training never stopped nor repeated a step
+        assert recorded_steps(run) == list(range(1, TOTAL + 1))  # training never stopped nor repeated a step
 
         reader = EpisodeReader(run / "data" / "policy.h5")
         try:

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, topology_dict, wait_until, write_topology
+from support import REPO, jobs_ended, run_module, topology_dict, wait_until, write_topology
 
 from ajet_hpc.launch import slurmcli
 from ajet_hpc.storage import rendezvous
@@ -33,10 +33,6 @@ def logs_containing(folder: Path, text: str) -> list[Path]:
 
 def states(job_id: str) -> dict[str, slurmcli.JobState]:
     return {s.job_id: s for s in slurmcli.job_states([job_id])}
-
-
-def all_inactive(job_ids: list[str]) -> bool:
-    return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
 
 
 @pytest.fixture
@@ -94,7 +90,7 @@ def test_server_and_client_array_on_dev_cluster(tmp_path: Path, cleanup: list[st
     cancel = run_module("ajet_hpc.cancel", str(run))
     assert cancel.returncode == 0 and f"scancel {server_id}" in cancel.stdout
     every_job = [entry["job_id"] for entry in json.loads((run / "jobs.json").read_text())]
-    wait_until(lambda: all_inactive(every_job), 60, "every job of the run to end after cancel")
+    wait_until(lambda: jobs_ended(*every_job), 60, "every job of the run to end after cancel")
     wait_until(lambda: not (run / "servers" / "policy.json").exists(), 30, "the rendezvous to be withdrawn")
 
 
@@ -123,7 +119,7 @@ def test_hetjob_runs_server_and_clients_as_one_job(tmp_path: Path, cleanup: list
     assert indexes == ["0", "1"]  # SLURM_PROCID gives each hetjob client its own index
 
     assert run_module("ajet_hpc.cancel", str(run)).returncode == 0
-    wait_until(lambda: all_inactive([job_id]), 60, "the hetjob to end after cancel")
+    wait_until(lambda: jobs_ended(*[job_id]), 60, "the hetjob to end after cancel")
 
 
 def test_hand_written_sbatch_scripts(tmp_path: Path, cleanup: list[str]) -> None:

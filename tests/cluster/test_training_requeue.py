@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, wait_until
+from support import REPO, jobs_ended, ranks_trained_steps, recorded_steps, run_module, wait_until
 
 from ajet_hpc.launch import slurmcli
 
@@ -25,25 +24,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slur
 TOTAL, SAVE_EVERY = 16, 5
 
 
-def steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
-
-
 def server_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "logs" / "server-policy").glob("*_log.out")))
 
 
 def resumes(run: Path) -> list[int]:
     return [int(m) for m in re.findall(r"resumed policy at step (\d+)", server_log(run))]
-
-
-def trained_steps(run: Path) -> Counter:
-    """How often the ranks trained each step, over every start (ranks.log is appended to)."""
-    text = (run / "ckpt" / "policy" / "ranks.log").read_text()
-    return Counter(int(m) for m in re.findall(r"\[rank 0\] \S+: step (\d+): loss", text))
 
 
 def preempt(node: str, out: Path) -> str:
@@ -75,7 +61,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
     try:
         tasks = {s.job_id: s for s in slurmcli.job_states([client_id])}
         assert len(tasks) == 2 and {s.partition for s in tasks.values()} == {"cpu"}
-        wait_until(lambda: len(steps(run)) >= 2, 600, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 600, "step 2")
         server = slurmcli.job_states([server_id])[0]
         assert (server.partition, server.nodes) == ("gpu", "g1")
 
@@ -88,30 +74,32 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         )
         saved_at = int(saved[0])
         assert saved_at < TOTAL, "the run finished before the preemption: raise TOTAL"
-        assert steps(run) == list(range(1, saved_at + 1))  # recorded up to the saved step, nothing lost
+        assert recorded_steps(run) == list(
+            range(1, saved_at + 1)
+        )  # recorded up to the saved step, nothing lost
         first = wait_until(lambda: resumes(run), 300, "the preempted server to resume")
         assert first == [saved_at]
 
         # 2. scontrol requeue: Slurm's SIGTERM only; the server saves the step it is at within
         #    cluster.kill_wait_s and resumes there
-        wait_until(lambda: len(steps(run)) > max(saved_at, SAVE_EVERY) + 1, 600, "steps after the resume")
-        before = steps(run)
+        wait_until(
+            lambda: len(recorded_steps(run)) > max(saved_at, SAVE_EVERY) + 1, 600, "steps after the resume"
+        )
+        before = recorded_steps(run)
         assert before[-1] < TOTAL, "the run finished before the requeue could happen: raise TOTAL"
         subprocess.run(["scontrol", "requeue", server_id], check=True)
 
         every = [server_id, client_id]
         wait_until(
-            lambda: all(
-                s.state not in slurmcli.ACTIVE_STATES for j in every for s in slurmcli.job_states([j])
-            ),
+            lambda: jobs_ended(*every),
             900,
             "the run to finish after the requeue",
         )
-        assert steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
+        assert recorded_steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
         second = resumes(run)[1]
         saves = [int(s) for s in re.findall(r"signal: (?:checkpoint of step|step) (\d+)", server_log(run))]
         assert saves[:2] == [saved_at, second] and second >= before[-1]  # saved on SIGTERM, resumed there
-        trained = trained_steps(run)
+        trained = ranks_trained_steps(run)
         assert sorted(trained) == list(range(1, TOTAL + 1))
         assert set(trained.values()) == {1}, trained  # nothing trained twice: both stops saved their step
         out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout

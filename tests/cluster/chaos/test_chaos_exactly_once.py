@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import REPO, topology_dict, wait_until, write_topology
+from support import REPO, jobs_ended, recorded_steps, topology_dict, wait_until, write_topology
 
 from ajet_hpc.client.runner import TEST_EXIT_AFTER_END
 from ajet_hpc.launch import slurmcli
@@ -35,12 +35,6 @@ from ajet_hpc.storage.episode_store import EpisodeReader
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
 TOTAL, SAVE_EVERY, ARRAY = 12, 3, 3
-
-
-def steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [row["step"] for row in rows if "step" in row and "event" not in row]
 
 
 def client_log(run: Path, task: str) -> str:
@@ -105,24 +99,22 @@ def test_exactly_once_through_client_crashes_and_requeues(tmp_path: Path) -> Non
         wait_until(lambda: state(server_id) == "RUNNING", 900, "the server job to start")
         for task in tasks:
             resume_after_crash(run, task)
-        wait_until(lambda: steps(run), 600, "step 1")
+        wait_until(lambda: recorded_steps(run), 600, "step 1")
         requeue_running(tasks[0])  # a third of the array, once
-        wait_until(lambda: len(steps(run)) >= 2, 600, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 600, "step 2")
         subprocess.run(["scontrol", "requeue", server_id], check=True)  # groups are half committed now
-        assert len(steps(run)) < TOTAL, "the run finished before the server requeue: raise TOTAL"
+        assert len(recorded_steps(run)) < TOTAL, "the run finished before the server requeue: raise TOTAL"
         requeue_running(tasks[0])  # and the third again
         every = [server_id, array_id]
         wait_until(
-            lambda: all(
-                s.state not in slurmcli.ACTIVE_STATES for j in every for s in slurmcli.job_states([j])
-            ),
+            lambda: jobs_ended(*every),
             900,
             "the run to finish",
         )
     finally:
         subprocess.run(["scancel", server_id, array_id], check=False, capture_output=True)
 
-    assert steps(run) == list(range(1, TOTAL + 1))  # every step once
+    assert recorded_steps(run) == list(range(1, TOTAL + 1))  # every step once
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     assert "episode keys ended before this start" in server_log  # the requeued server knew its keys
 

@@ -13,16 +13,23 @@ step and the run finishes: every step once in metrics.jsonl, in the server's sto
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, topology_dict, wait_until, write_topology
+from support import (
+    REPO,
+    jobs_ended,
+    ranks_trained_steps,
+    recorded_steps,
+    run_module,
+    topology_dict,
+    wait_until,
+    write_topology,
+)
 
 from ajet_hpc.launch import slurmcli
 from ajet_hpc.storage.episode_store import EpisodeReader
@@ -30,12 +37,6 @@ from ajet_hpc.storage.episode_store import EpisodeReader
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
 TOTAL = 6
-
-
-def steps(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
 
 
 def server_log(run: Path) -> str:
@@ -48,15 +49,6 @@ def sbatch(*args: str) -> str:
         ["sbatch", "--parsable", *args], capture_output=True, text=True, check=True, env=env
     )
     return done.stdout.strip().split(";")[0]
-
-
-def trained_steps(run: Path) -> Counter:
-    text = (run / "ckpt" / "policy" / "ranks.log").read_text()
-    return Counter(int(m) for m in re.findall(r"\[rank 0\] \S+: step (\d+): loss", text))
-
-
-def all_ended(*job_ids: str) -> bool:
-    return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
 
 
 def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path) -> None:
@@ -87,7 +79,7 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
     )
     urgent = None
     try:
-        wait_until(lambda: len(steps(run)) >= 2, 300, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 300, "step 2")
         command = ["sbatch", "--parsable", "-p", "urgent", "-w", "g1", "-c", "2", "--mem=100M"]
         urgent = subprocess.run(
             [*command, f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2"],
@@ -102,16 +94,18 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
         )
         saved_at = int(saved[0])
         assert saved_at < TOTAL, "the run finished before the preemption: raise TOTAL"
-        assert steps(run) == list(range(1, saved_at + 1))  # recorded up to the saved step, nothing lost
-        wait_until(lambda: all_ended(server_id, client_id), 600, "the run to finish after the preemption")
+        assert recorded_steps(run) == list(
+            range(1, saved_at + 1)
+        )  # recorded up to the saved step, nothing lost
+        wait_until(lambda: jobs_ended(server_id, client_id), 600, "the run to finish after the preemption")
 
         log = server_log(run)
         assert "SIGTERM: checkpointing" in log
         assert f"requeued job {server_id}: Slurm preempted the job" in log
         assert "checkpoint signal" not in log and "USR2" not in log  # SIGTERM only
         assert [int(m) for m in re.findall(r"resumed policy at step (\d+)", log)] == [saved_at]
-        assert steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
-        trained = trained_steps(run)
+        assert recorded_steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
+        trained = ranks_trained_steps(run)
         assert all(trained[s] == 1 for s in range(1, saved_at + 1)), trained  # nothing trained twice
         assert sorted(trained) == list(range(1, TOTAL + 1))
         reader = EpisodeReader(run / "data" / "policy.h5")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import run_module, topology_dict, wait_until, write_topology
+from support import jobs_ended, recorded_steps, run_module, topology_dict, wait_until, write_topology
 
 from ajet_hpc.launch import slurmcli
 from ajet_hpc.storage import rendezvous
@@ -63,16 +63,8 @@ def launch(tmp_path: Path, data: dict) -> tuple[Path, str, str]:
     return run, jobs["server-policy"]["job_id"], jobs["clients-math"]["job_id"]
 
 
-def steps(run: Path) -> list[int]:
-    return [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")]
-
-
 def logs(run: Path, job: str) -> str:
     return "".join(p.read_text() for p in sorted((run / "logs" / job).glob("*_log.out")))
-
-
-def all_ended(*job_ids: str) -> bool:
-    return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
 
 
 def states(job_id: str) -> list[str]:
@@ -125,11 +117,11 @@ def test_killed_rank_and_runner_recover_and_the_run_ends_when_tasks_run_out(tmp_
         (runner,) = processes(run, "ajet_hpc.client", "--index 1", "--once")
         os.kill(runner.pid, signal.SIGKILL)
 
-        wait_until(lambda: len(steps(run)) >= 2, 300, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 300, "step 2")
         kill_a_rank(run)
         wait_until(lambda: metrics.read_events(run / "metrics.jsonl"), 120, "the restart event")
 
-        wait_until(lambda: all_ended(server_id, client_id), 600, "every job to end")
+        wait_until(lambda: jobs_ended(server_id, client_id), 600, "every job to end")
         assert states(server_id) == ["COMPLETED"] and states(client_id) == ["COMPLETED", "COMPLETED"]
 
         record = rendezvous.read(run / "servers" / "policy.json")
@@ -140,7 +132,7 @@ def test_killed_rank_and_runner_recover_and_the_run_ends_when_tasks_run_out(tmp_
         assert found, record.reason
         last = int(found.group(1))
         assert 2 < last <= TASKS * 2 // 2 and record.step == last
-        assert steps(run) == list(range(1, last + 1))  # every step once in metrics.jsonl ...
+        assert recorded_steps(run) == list(range(1, last + 1))  # every step once in metrics.jsonl ...
         assert store_steps(run) == list(range(1, last + 1))  # ... and in the server's store
         events = metrics.read_events(run / "metrics.jsonl", "policy")
         assert [e["event"] for e in events] == ["trainer_restart", "ended"], events
@@ -167,15 +159,15 @@ def test_rank_killed_past_max_restarts_fails_the_server_and_stops_every_job(tmp_
     data["clients"][0].update(max_tasks=None)  # endless work: only the failure ends the clients
     run, server_id, client_id = launch(tmp_path, data)
     try:
-        wait_until(lambda: len(steps(run)) >= 1, 300, "step 1")
+        wait_until(lambda: len(recorded_steps(run)) >= 1, 300, "step 1")
         kill_a_rank(run)
-        wait_until(lambda: all_ended(server_id, client_id), 300, "every job to end")
+        wait_until(lambda: jobs_ended(server_id, client_id), 300, "every job to end")
         assert states(server_id) == ["FAILED"] and states(client_id) == ["FAILED", "FAILED"]
 
         record = rendezvous.read(run / "servers" / "policy.json")
         assert record.state == "failed" and "trainer.max_restarts=0" in record.reason, record
         last = record.step
-        assert last >= 1 and steps(run) == list(range(1, last + 1))
+        assert last >= 1 and recorded_steps(run) == list(range(1, last + 1))
         assert store_steps(run) == list(range(1, last + 1))
         (event,) = metrics.read_events(run / "metrics.jsonl", "policy")
         assert (event["event"], event["reason"]) == ("failed", record.reason)
@@ -200,7 +192,7 @@ def test_killed_vllm_engine_core_requeues_the_server_which_resumes_and_finishes(
     data["clients"][0].update(max_tasks=None)
     run, server_id, client_id = launch(tmp_path, data)
     try:
-        wait_until(lambda: len(steps(run)) >= 2, 400, "step 2")
+        wait_until(lambda: len(recorded_steps(run)) >= 2, 400, "step 2")
         server_pid = rendezvous.read(run / "servers" / "policy.json").pid
         cores = [
             p
@@ -210,9 +202,9 @@ def test_killed_vllm_engine_core_requeues_the_server_which_resumes_and_finishes(
         assert cores, [p.name() for p in psutil.Process(server_pid).children(recursive=True)]
         os.kill(cores[0].pid, signal.SIGKILL)
 
-        wait_until(lambda: all_ended(server_id, client_id), 600, "every job to end")
+        wait_until(lambda: jobs_ended(server_id, client_id), 600, "every job to end")
         assert states(server_id) == ["COMPLETED"] and set(states(client_id)) == {"COMPLETED"}
-        assert steps(run) == list(range(1, total + 1))
+        assert recorded_steps(run) == list(range(1, total + 1))
         assert store_steps(run) == list(range(1, total + 1))
         server_log = logs(run, "server-policy")
         assert "the engine died (vLLM's engine core process died)" in server_log
