@@ -103,6 +103,13 @@ class ClusterConfig(BaseModel):
         "or conda environment) are built once and reused by every run; default RUN/envs. A relative path is "
         "taken from the launch directory.",
     )
+    share_group: str | None = Field(
+        default=None,
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
+        description="Unix group that may read the run directory (created 0750 and owned by this group); "
+        "default: the run directory is 0700, private to its owner.",
+    )
 
 
 class MergeConfig(BaseModel):
@@ -241,6 +248,36 @@ class ServingConfig(BaseModel):
     tool_parser: Literal["hermes"] = Field(
         default="hermes",
         description="How tool calls are read from the answers ('hermes': <tool_call>{json}</tool_call>)",
+    )
+    max_request_bytes: int = Field(
+        default=16 * 2**20,
+        ge=1024,
+        description="Largest request body in bytes (413 beyond it); the token is checked before the body is "
+        "read.",
+    )
+    max_messages: int = Field(
+        default=1024, ge=1, description="Most messages in one chat request (400 beyond it)."
+    )
+    max_tools: int = Field(default=128, ge=0, description="Most tools in one chat request (400 beyond it).")
+    max_stop: int = Field(default=16, ge=0, description="Most stop strings in one request (400 beyond it).")
+    max_stop_chars: int = Field(
+        default=256, ge=1, description="Longest stop string in characters (400 beyond it)."
+    )
+    max_abs_reward: float = Field(
+        default=1e6,
+        gt=0,
+        allow_inf_nan=False,
+        description="Largest |reward| and |turn reward| an episode may end with (400 beyond it); rewards must "
+        "be finite.",
+    )
+    tls_certfile: str | None = Field(
+        default=None,
+        min_length=1,
+        description="PEM certificate: the server speaks HTTPS (uvicorn's ssl_certfile); clients then need "
+        "the CA that signed it (SSL_CERT_FILE). docs/security.md.",
+    )
+    tls_keyfile: str | None = Field(
+        default=None, min_length=1, description="PEM private key of tls_certfile (uvicorn's ssl_keyfile)."
     )
 
 
