@@ -267,8 +267,8 @@ class ServingConfig(BaseModel):
         default=1e6,
         gt=0,
         allow_inf_nan=False,
-        description="Largest |reward| and |turn reward| an episode may end with (400 beyond it); rewards must "
-        "be finite.",
+        description="Largest |reward| and |turn reward| an episode may end with (400 beyond it); "
+        "rewards must be finite.",
     )
     tls_certfile: str | None = Field(
         default=None,
