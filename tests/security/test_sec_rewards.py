@@ -4,20 +4,24 @@ drops that episode, reports it, and trains the rest."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from server_harness import Harness
+from support import topology_dict
 
-from ajet_hpc.config import TrainerConfig
+from ajet_hpc.config import TrainerConfig, load_topology
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.trainer.collector import Batch, BatchCollector
+from ajet_hpc.trainer.coordinator import Coordinator
 from ajet_hpc.trainer.samples import build_samples
 
 LIMIT = 10.0
@@ -124,3 +128,20 @@ def test_a_batch_with_no_valid_episode_builds_nothing_and_the_collector_reports_
     following = collector.try_batch()
     assert following is not None and following.dropped_invalid == 2
     assert following.dropped_ids == ["n0", "n1"] and sorted(following.invalid) == ["n0", "n1"]
+
+
+@pytest.mark.slow
+def test_the_coordinator_skips_a_batch_it_cannot_build_and_reports_it_with_the_next(server, tmp_path) -> None:
+    data = topology_dict(tmp_path / "run")
+    data["servers"][0]["trainer"] = {"total_steps": 2, "tasks_per_batch": 1, "repeats": 2}
+    config = load_topology(data).servers[0]
+    coordinator = Coordinator(server.ctx, config, Path("unused"), tmp_path / "run", on_slurm=False)
+    batch = Batch(groups=[[finished("t0", "n0", math.nan), finished("t0", "n1", 1.0, turn_rewards=[1, 2])]])
+    trained = asyncio.run(coordinator._train_step(channel=None, batch=batch))  # no ranks: none is needed
+    assert trained is False and coordinator.step == 0  # no step, no error: the coordinator goes on
+    assert not (tmp_path / "run" / "ckpt" / "policy" / "consumed.jsonl").exists()
+    coordinator.collector.add(finished("t1", "d0", 0.0))
+    coordinator.collector.add(finished("t1", "d1", 1.0))
+    following = coordinator.collector.try_batch()
+    assert following is not None and following.dropped_ids == ["n0", "n1"]
+    assert following.dropped_invalid == 2 and "turn_rewards has 2 values" in following.invalid["n1"]
