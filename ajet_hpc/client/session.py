@@ -18,6 +18,18 @@ class ServerAway(ConnectionError):
     """The server did not answer (stopped, requeued, moved): wait for its rendezvous and try again."""
 
 
+class ServerError(ServerAway):
+    """The server answered, with an HTTP 5xx (a failed model call or episode call). Unlike an absent server
+    it is not waited for: the runner tries the episode again a bounded number of times, then aborts it."""
+
+
+def _error_message(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return reply.text[:500]
+
+
 class TrainingFinished(RuntimeError):
     """The server's training is complete: it accepts no new episodes."""
 
@@ -59,7 +71,7 @@ class EpisodeAPI:
         if reply.status_code in (404, 409):
             raise EpisodeRejected(reply.json().get("error", {}).get("message", reply.text))
         if reply.status_code >= 500:
-            raise ServerAway(f"{self.url}: HTTP {reply.status_code}")
+            raise ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
         reply.raise_for_status()
         return reply.json()
 
