@@ -39,6 +39,7 @@ from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
 from ajet_hpc.client.session import (
     ClientStopping,
+    EndRefused,
     EpisodeAPI,
     EpisodeRejected,
     KeyEnded,
@@ -325,16 +326,24 @@ class GroupTask:
                 self.tally.aborted += 1
             return
         key = (self.group.name, task.id, repeat)
-        ended = {  # each model's episode ends with that model's own reward
-            name: self.connect(name).end(
-                b["episode_id"],
-                outcome.reward_for(name),
-                outcome.turn_rewards_for(name),
-                outcome.metadata,
-                key=key,
-            )
-            for name, b in begun.items()
-        }
+        try:
+            ended = {  # each model's episode ends with that model's own reward
+                name: self.connect(name).end(
+                    b["episode_id"],
+                    outcome.reward_for(name),
+                    outcome.turn_rewards_for(name),
+                    outcome.metadata,
+                    key=key,
+                )
+                for name, b in begun.items()
+            }
+        except EndRefused as exc:  # e.g. a reward beyond serving.max_abs_reward: abort, do not leave it open
+            log.error("task %s repeat %d: %s; its episode(s) are aborted", task.id, repeat, exc)
+            for name, b in begun.items():
+                self._abort_quietly(name, b["episode_id"], str(exc))
+            with self.tally.lock:
+                self.tally.aborted += 1
+            return
         _test_exit_after_end(self)
         duplicate = [
             name

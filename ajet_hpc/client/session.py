@@ -38,6 +38,11 @@ class EpisodeRejected(RuntimeError):
     """The server refused an end or abort (e.g. the episode was dropped after a timeout), saying why."""
 
 
+class EndRefused(RuntimeError):
+    """The server refused an end as invalid (HTTP 400, e.g. a reward that is not finite or beyond its
+    ``serving.max_abs_reward``): nothing was recorded, the episode is still open; the message says why."""
+
+
 class ClientStopping(RuntimeError):
     """This client task is being stopped: it begins no new episode."""
 
@@ -107,6 +112,10 @@ class EpisodeAPI:
             body.update(group=key[0], task_id=key[1], repeat=key[2])
         try:
             return self._post(f"/v1/episodes/{episode_id}/end", body)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 400:
+                raise EndRefused(f"end of {episode_id} refused: {_error_message(exc.response)}") from exc
+            raise
         finally:
             self._forget(episode_id)
 
