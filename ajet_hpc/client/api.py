@@ -28,7 +28,9 @@ class ModelHandle:
     api_key: str
 
     def client(self, **kwargs: Any):
-        """An ``openai.OpenAI`` client for this episode (retries off: a failed call is the agent's to see)."""
+        """An ``openai.OpenAI`` client for this episode. Its own retries are off: a failed call is the
+        agent's to see, and the runner retries a whole episode whose call the server answered with a 5xx
+        (a bounded number of times, ``runner.SERVER_ERROR_ATTEMPTS``)."""
         import openai
 
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)

@@ -14,6 +14,11 @@ with the first one's result.
 
 On SIGTERM (a cancel, or a hot swap of the group) the task begins no new episode, aborts its open ones
 with a reason, closes its store and exits.
+
+A server that answers a call of the episode with an HTTP 5xx (the agent's model call, or begin/end) is not
+away: the episode is aborted there with the error as its reason and run again after a pause, at most
+``SERVER_ERROR_ATTEMPTS`` times in all (pauses of ``SERVER_ERROR_BACKOFF_S``, doubling); then the task and
+repeat are given up (aborted, counted, logged with the last error) and the runner goes on with the others.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
 from ajet_hpc.client.session import (
     ClientStopping,
+    EndRefused,
     EpisodeAPI,
     EpisodeRejected,
     KeyEnded,
     ServerAway,
+    ServerError,
     TrainingFinished,
 )
 from ajet_hpc.client.supervisor import EXIT_SERVER_GONE
@@ -51,6 +58,11 @@ from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, rea
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+SERVER_ERROR_ATTEMPTS = 4
+"""Runs of an episode that a server answers with a 5xx before its task and repeat are given up."""
+SERVER_ERROR_BACKOFF_S = 2.0
+"""Pause before the second run after a 5xx; doubled before each next one (2, 4, 8 s by default)."""
 
 
 def pick_group(topology: Topology, name: str) -> ClientGroupConfig:
@@ -84,6 +96,8 @@ class GroupTask:
     """The episodes of one array task of a client group."""
 
     gone: ServerGone | None = None  # a server failed or stayed away too long: the task stops
+    server_error_attempts = SERVER_ERROR_ATTEMPTS
+    server_error_backoff_s = SERVER_ERROR_BACKOFF_S
 
     def __init__(self, run: RunDir, group: ClientGroupConfig, index: int, repeats: int) -> None:
         self.rundir, self.group, self.index, self.repeats = run, group, index, repeats
@@ -175,7 +189,7 @@ class GroupTask:
     def episode(self, task: Task, repeat: int) -> None:
         """Run one episode to its end, again from the start each time a server goes away or drops it
         (unless the servers ended it meanwhile: then their recorded result is committed)."""
-        rejected = 0
+        rejected = server_errors = 0
         retry = False
         while not self.finished.is_set():
             try:
@@ -203,6 +217,31 @@ class GroupTask:
             except (TrainingFinished, ServerFinished, ClientStopping) as exc:
                 log.info("stopping: %s", exc)
                 self.finished.set()
+            except ServerError as exc:
+                server_errors += 1
+                if server_errors >= self.server_error_attempts:
+                    log.error(
+                        "task %s repeat %d aborted: a server answered with an error %d time(s) in a row; "
+                        "last: %s",
+                        task.id,
+                        repeat,
+                        server_errors,
+                        exc,
+                    )
+                    with self.tally.lock:
+                        self.tally.aborted += 1
+                    return
+                pause = self.server_error_backoff_s * 2 ** (server_errors - 1)
+                log.warning(
+                    "task %s repeat %d: %s; running it again in %.1f s (attempt %d of %d)",
+                    task.id,
+                    repeat,
+                    exc,
+                    pause,
+                    server_errors + 1,
+                    self.server_error_attempts,
+                )
+                self.finished.wait(pause)
             except ServerAway as exc:
                 log.warning(
                     "task %s repeat %d: server away (%s); waiting to run it again", task.id, repeat, exc
@@ -255,17 +294,25 @@ class GroupTask:
 
     def _attempt(self, task: Task, repeat: int) -> None:
         meta = {"repeat": repeat, "client": self.index, "agent": self.group.agent}
-        begun = {
-            name: self.connect(name).begin(task.id, self.group.name, meta, repeat)
-            for name in self.group.servers
-        }
+        begun: dict[str, dict] = {}
+        try:
+            for name in self.group.servers:
+                begun[name] = self.connect(name).begin(task.id, self.group.name, meta, repeat)
+        except ServerError as exc:  # the servers that did begin it: not left open
+            for name, b in begun.items():
+                self._abort_quietly(name, b["episode_id"], str(exc))
+            raise
         handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
         try:
             outcome = as_outcome(self.agent(EpisodeContext(task=task, models=handles, repeat=repeat)))
             outcome.check_models(begun)
         except Exception as exc:
-            if _is_connection_error(exc):
-                raise ServerAway(str(exc)) from exc
+            failure = _server_failure(exc)
+            if isinstance(failure, ServerError):  # the server answered: abort there, with the reason
+                for name, b in begun.items():
+                    self._abort_quietly(name, b["episode_id"], str(failure))
+            if failure is not None:
+                raise failure from exc
             if self.stopping.is_set():  # its episodes were aborted under it by the drain: not its fault
                 log.info("task %s repeat %d stopped with the runner (%s)", task.id, repeat, exc)
                 with self.tally.lock:
@@ -279,16 +326,24 @@ class GroupTask:
                 self.tally.aborted += 1
             return
         key = (self.group.name, task.id, repeat)
-        ended = {  # each model's episode ends with that model's own reward
-            name: self.connect(name).end(
-                b["episode_id"],
-                outcome.reward_for(name),
-                outcome.turn_rewards_for(name),
-                outcome.metadata,
-                key=key,
-            )
-            for name, b in begun.items()
-        }
+        try:
+            ended = {  # each model's episode ends with that model's own reward
+                name: self.connect(name).end(
+                    b["episode_id"],
+                    outcome.reward_for(name),
+                    outcome.turn_rewards_for(name),
+                    outcome.metadata,
+                    key=key,
+                )
+                for name, b in begun.items()
+            }
+        except EndRefused as exc:  # e.g. a reward beyond serving.max_abs_reward: abort, do not leave it open
+            log.error("task %s repeat %d: %s; its episode(s) are aborted", task.id, repeat, exc)
+            for name, b in begun.items():
+                self._abort_quietly(name, b["episode_id"], str(exc))
+            with self.tally.lock:
+                self.tally.aborted += 1
+            return
         _test_exit_after_end(self)
         duplicate = [
             name
@@ -351,19 +406,20 @@ def _test_exit_after_end(task: GroupTask) -> None:
         os._exit(137)
 
 
-def _is_connection_error(exc: BaseException) -> bool:
-    """An agent's model call that failed because the server went away (openai / httpx)."""
+def _server_failure(exc: BaseException) -> ServerAway | None:
+    """Whether an agent's model call failed because of the server (openai / httpx): ``ServerAway`` when it
+    could not be reached, ``ServerError`` (with the server's message) when it answered a 5xx; else None."""
     import httpx
     import openai
 
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, openai.APIConnectionError | httpx.TransportError):
-            return True
+            return ServerAway(str(seen))
         if isinstance(seen, openai.APIStatusError) and seen.status_code >= 500:
-            return True
+            return ServerError(f"the agent's model call got HTTP {seen.status_code}: {seen.message}")
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
 
 
 def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, int]]:

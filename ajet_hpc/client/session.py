@@ -18,12 +18,29 @@ class ServerAway(ConnectionError):
     """The server did not answer (stopped, requeued, moved): wait for its rendezvous and try again."""
 
 
+class ServerError(ServerAway):
+    """The server answered, with an HTTP 5xx (a failed model call or episode call). Unlike an absent server
+    it is not waited for: the runner tries the episode again a bounded number of times, then aborts it."""
+
+
+def _error_message(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return reply.text[:500]
+
+
 class TrainingFinished(RuntimeError):
     """The server's training is complete: it accepts no new episodes."""
 
 
 class EpisodeRejected(RuntimeError):
     """The server refused an end or abort (e.g. the episode was dropped after a timeout), saying why."""
+
+
+class EndRefused(RuntimeError):
+    """The server refused an end as invalid (HTTP 400, e.g. a reward that is not finite or beyond its
+    ``serving.max_abs_reward``): nothing was recorded, the episode is still open; the message says why."""
 
 
 class ClientStopping(RuntimeError):
@@ -59,7 +76,7 @@ class EpisodeAPI:
         if reply.status_code in (404, 409):
             raise EpisodeRejected(reply.json().get("error", {}).get("message", reply.text))
         if reply.status_code >= 500:
-            raise ServerAway(f"{self.url}: HTTP {reply.status_code}")
+            raise ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
         reply.raise_for_status()
         return reply.json()
 
@@ -95,6 +112,10 @@ class EpisodeAPI:
             body.update(group=key[0], task_id=key[1], repeat=key[2])
         try:
             return self._post(f"/v1/episodes/{episode_id}/end", body)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 400:
+                raise EndRefused(f"end of {episode_id} refused: {_error_message(exc.response)}") from exc
+            raise
         finally:
             self._forget(episode_id)
 

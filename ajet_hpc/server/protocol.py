@@ -7,11 +7,12 @@ Extensions beyond OpenAI are marked "(ajet extension)".
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -266,9 +267,12 @@ class BeginEpisodeResponse(BaseModel):
 
 
 class EndEpisodeRequest(BaseModel):
+    """Rewards must be finite (checked here) and within ``±serving.max_abs_reward`` (``beyond_limit``, which
+    the route checks against the server's setting): a bad value is refused before anything is recorded."""
+
     model_config = ConfigDict(extra="forbid")
 
-    reward: float = Field(allow_inf_nan=False)
+    reward: float
     task_id: str | None = None
     group: str | None = Field(default=None, description="When given, must be the group given at begin.")
     repeat: int | None = Field(
@@ -278,6 +282,35 @@ class EndEpisodeRequest(BaseModel):
         default=None, description="One reward per model call of the episode, in call order."
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"reward is {value}: rewards must be finite numbers")
+        return value
+
+    @field_validator("turn_rewards")
+    @classmethod
+    def _finite_turn_rewards(cls, values: list[float] | None) -> list[float] | None:
+        for index, value in enumerate(values or ()):
+            if not math.isfinite(value):
+                raise ValueError(f"turn_rewards[{index}] is {value}: rewards must be finite numbers")
+        return values
+
+    def beyond_limit(self, limit: float) -> tuple[str, str] | None:
+        """The first reward whose magnitude exceeds ``limit`` (``serving.max_abs_reward``), as (field,
+        message); None when every reward is within it."""
+        named = [("reward", self.reward)] + [
+            (f"turn_rewards[{i}]", r) for i, r in enumerate(self.turn_rewards or ())
+        ]
+        for name, value in named:
+            if abs(value) > limit:
+                return name, (
+                    f"{name} is {value:g}, beyond this server's limit of ±{limit:g} "
+                    "(serving.max_abs_reward); nothing was recorded and the episode is still open"
+                )
+        return None
 
 
 class AbortEpisodeRequest(BaseModel):

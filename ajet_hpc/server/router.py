@@ -119,6 +119,9 @@ async def show(request: Request, episode_id: str, timelines: bool = False, autho
 async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, authorization: str | None = Auth):
     ctx = _ctx(request)
     authorize_run_call(ctx.secret, authorization)
+    beyond = body.beyond_limit(ctx.settings.max_abs_reward)  # before anything is recorded
+    if beyond is not None:
+        raise BadRequest(beyond[1], param=beyond[0], code="reward_out_of_range")
     summary = ctx.episodes.end(
         episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata, body.group, body.repeat
     )

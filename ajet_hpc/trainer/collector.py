@@ -16,6 +16,8 @@ A task group that can no longer complete is dropped and counted (``dropped_incom
 repeats it lacks have already ended elsewhere (dropped as stale, or lost with a step), no client runs them
 again. After a restart, ``restore`` puts back the finished episodes no step consumed (read from the server
 store); every batch names the ids it consumes (trained, or dropped here) for the server's journal.
+Episodes whose samples cannot be built are dropped when the batch is built (``Batch.invalid``,
+``trainer.samples``); a batch left with none is ``carry_over``-ed: the next batch reports its drops.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class Batch:
     dropped_incomplete: int = 0
     recovered: int = 0  # episodes of this batch restored from the store after a restart
     dropped_ids: list[str] = field(default_factory=list)  # consumed without training since the last batch
+    invalid: dict[str, str] = field(default_factory=dict)  # episode id -> why it could not be built (samples)
+
+    @property
+    def dropped_invalid(self) -> int:
+        """Episodes dropped because their samples could not be built (``trainer.samples.build_samples``)."""
+        return len(self.invalid)
 
     @property
     def episodes(self) -> list[Episode]:
@@ -94,6 +102,7 @@ class BatchCollector:
         self._dropped_ids: list[str] = []
         self._since_batch = {"dropped_stale": 0, "skipped_equal": 0, "dropped_incomplete": 0}
         self._restored: set[str] = set()
+        self._invalid: dict[str, str] = {}  # carried over from a batch that trained nothing
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
@@ -118,6 +127,14 @@ class BatchCollector:
         self._dropped_ids += episode_ids
         self._since_batch["dropped_stale"] += len(episode_ids)
         self.stats.dropped_stale += len(episode_ids)
+
+    def carry_over(self, batch: Batch) -> None:
+        """A batch that trains nothing (each of its episodes was dropped as invalid): what it consumed and
+        dropped is reported with the next batch instead."""
+        self._dropped_ids = batch.dropped_ids + self._dropped_ids
+        self._invalid = {**batch.invalid, **self._invalid}
+        for name in self._since_batch:
+            self._since_batch[name] += getattr(batch, name)
 
     def set_policy_version(self, version: int) -> None:
         self._version = version
@@ -173,6 +190,7 @@ class BatchCollector:
     def _finish(self, batch: Batch) -> Batch:
         """Hand over what was dropped since the last batch (ids and counts): the batch reports it."""
         batch.dropped_ids, self._dropped_ids = self._dropped_ids, []
+        batch.invalid, self._invalid = self._invalid, {}
         batch.dropped_stale = self._since_batch["dropped_stale"]
         batch.skipped_equal = self._since_batch["skipped_equal"]
         batch.dropped_incomplete = self._since_batch["dropped_incomplete"]

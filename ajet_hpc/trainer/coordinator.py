@@ -132,7 +132,8 @@ class Coordinator:
                     ended = f"task sources exhausted at step {self.step} of {total} ({self.sources_ended()})"
                     break
                 try:
-                    await self._train_step(channel, batch)
+                    if not await self._train_step(channel, batch):
+                        continue  # nothing in the batch could be built: the next batch trains this step
                     failures = 0
                 except TrainerFailed as error:
                     if watchdog.engine_failure(self.ctx.engine) is not None:
@@ -302,10 +303,21 @@ class Coordinator:
             time.monotonic() - started,
         )
 
-    async def _train_step(self, channel: TrainerChannel, batch: Batch) -> None:
+    async def _train_step(self, channel: TrainerChannel, batch: Batch) -> bool:
+        """Train one step on the batch; False when none of its episodes could be built (each one dropped,
+        reported with the next batch): no step then."""
         started = time.monotonic()
         step = self.step + 1
-        samples, merging = build_samples(batch, self.config, self._decode)
+        samples, merging = build_samples(batch, self.config, self._decode)  # drops the episodes at fault
+        if not samples:
+            log.warning(
+                "step %d: no episode of the batch could be built (%d dropped: %s); the next batch trains it",
+                step,
+                batch.dropped_invalid,
+                ", ".join(batch.invalid),
+            )
+            self.collector.carry_over(batch)
+            return False
         save = step % self.config.save_every == 0 or step == self.config.total_steps
         on_policy = self.config.max_staleness == 0
         if on_policy:
@@ -319,7 +331,7 @@ class Coordinator:
             channel.submit(step, samples, save_checkpoint=save)
             result = await channel.wait_result(step)
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
-                return
+                return True
             trained = time.monotonic()
             wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
             if result.get("weights") == "memory":  # sent before the result was written
@@ -335,6 +347,7 @@ class Coordinator:
         self.step = step
         self.collector.set_policy_version(step)
         self._record(batch, samples, merging, result, time.monotonic() - started, sync_s)
+        return True
 
     def save_on_signal(self, timeout_s: float) -> int | None:
         """Checkpoint now, on Slurm's pre-timeout or preemption signal, so that the requeued job resumes here.
@@ -415,6 +428,7 @@ class Coordinator:
             "mix_shortfall": batch.shortfall,
             "dropped_stale": batch.dropped_stale,
             "dropped_incomplete": batch.dropped_incomplete,
+            "dropped_invalid": batch.dropped_invalid,  # could not be built: ids and reasons in the log
             "recovered_episodes": batch.recovered,
             "time": time.time(),
         }

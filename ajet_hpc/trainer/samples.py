@@ -10,12 +10,20 @@
 
 `MergeStats` reports samples and tokens before and after, snap points (calls the conversation continues but
 that did not merge, and why) and the drift the server recorded in the batch's calls.
+
+An episode that cannot be built (a reward that is not finite, turn rewards that do not fit its calls, any
+error while its samples are made or merged) is dropped from the batch with its reason (``Batch.invalid``,
+logged, counted as ``dropped_invalid`` in the step's metrics) and the rest of the batch is built: one bad
+episode never stops training. A failure that belongs to a whole task group drops that group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import episode_token_advantages, turn_returns
@@ -26,12 +34,90 @@ from ajet_hpc.server.episodes import Episode
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
 from ajet_hpc.trainer.collector import Batch
 
+log = logging.getLogger(__name__)
+
+
+class _Faulty(Exception):
+    """Building failed because of these episodes (one, or a whole task group)."""
+
+    def __init__(self, episodes: list[Episode], reason: str) -> None:
+        super().__init__(reason)
+        self.episodes, self.reason = episodes, reason
+
+
+@contextlib.contextmanager
+def _blame(episodes: list[Episode], what: str) -> Iterator[None]:
+    try:
+        yield
+    except _Faulty:
+        raise
+    except Exception as exc:
+        raise _Faulty(episodes, f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
 
 def build_samples(
     batch: Batch, config: TrainerConfig, decode: Callable[[list[int]], str] | None = None
 ) -> tuple[list[Sample], MergeStats]:
-    """The batch's training samples and what merging did. ``decode`` is needed for text-level merging."""
-    per_call = [call_samples(group, config.turn_gamma) for group in batch.groups]
+    """The batch's training samples and what merging did. ``decode`` is needed for text-level merging.
+
+    Episodes at fault are first looked for one by one (``episode_fault``) and dropped from ``batch``; a
+    failure that shows only when the groups are built drops the episodes it belongs to, and the build starts
+    over without them. Every drop lands in ``batch.invalid`` (id -> reason) and ``batch.dropped_ids``."""
+    faults = [(e, reason) for e in batch.episodes if (reason := episode_fault(e, config)) is not None]
+    for episode, reason in faults:
+        _drop(batch, [episode], reason)
+    while True:  # each round drops at least one episode: it ends
+        try:
+            return _build(batch, config, decode)
+        except _Faulty as fault:
+            _drop(batch, fault.episodes, fault.reason)
+
+
+def episode_fault(episode: Episode, config: TrainerConfig) -> str | None:
+    """Why this episode cannot be trained, or None: its rewards, and its own samples."""
+    if not episode.timelines:
+        return "it recorded no model call"
+    reward = float(episode.reward or 0.0)
+    if not math.isfinite(reward):
+        return f"reward is {reward}: not a finite number"
+    turns = episode.turn_rewards
+    if turns:
+        if len(turns) != len(episode.timelines):
+            return f"turn_rewards has {len(turns)} values for {len(episode.timelines)} recorded calls"
+        bad = next((i for i, r in enumerate(turns) if not math.isfinite(float(r))), None)
+        if bad is not None:
+            return f"turn_rewards[{bad}] is {turns[bad]}: not a finite number"
+    try:  # its samples alone (cheap; merging, the costly part, is blamed per episode in the build)
+        call_samples([episode], config.turn_gamma)
+    except Exception as exc:
+        return f"its samples cannot be built: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _drop(batch: Batch, episodes: list[Episode], reason: str) -> None:
+    gone = {id(e) for e in episodes}
+    batch.groups = [kept for g in batch.groups if (kept := [e for e in g if id(e) not in gone])]
+    for episode in episodes:
+        batch.invalid[episode.episode_id] = reason
+        batch.dropped_ids.append(episode.episode_id)
+        log.warning(
+            "episode %s (task %s) dropped from the batch, not trained: %s",
+            episode.episode_id,
+            episode.task_id,
+            reason,
+        )
+
+
+def _build(
+    batch: Batch, config: TrainerConfig, decode: Callable[[list[int]], str] | None
+) -> tuple[list[Sample], MergeStats]:
+    per_call = []
+    for group in batch.groups:
+        with _blame(group, "the task group's advantages"):
+            built = call_samples(group, config.turn_gamma)
+        if any(not math.isfinite(a) for episode in built for s in episode for a in s.advantages):
+            raise _Faulty(group, "the task group's advantages are not finite (rewards too large?)")
+        per_call.append(built)
     if config.loss_weighting == "episode":
         weigh_episodes([s for group in per_call for episode in group for s in episode])
     stats = MergeStats()
@@ -44,11 +130,13 @@ def build_samples(
             for timeline in episode.timelines:
                 for event in timeline.drift:
                     stats.drift[event.kind] = stats.drift.get(event.kind, 0) + 1
-            merged, snaps = merge_episode(episode, calls, config.merge, decode)
+            with _blame([episode], "merging"):
+                merged, snaps = merge_episode(episode, calls, config.merge, decode)
             stats.add_snaps(snaps)
             merged_group.extend(merged)
         if config.merge.mode == "tree" and config.merge.tree_scope == "group" and len(merged_group) > 1:
-            merged_group = [merge.pack_tree(merged_group)]
+            with _blame(group, "packing the task group's tree"):
+                merged_group = [merge.pack_tree(merged_group)]
         samples.extend(merged_group)
     stats.samples_after = len(samples)
     stats.tokens_after = sum(len(s) for s in samples)
