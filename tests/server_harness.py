@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from ajet_hpc.client.handshake import RunAuth, run_client
+from ajet_hpc.client.handshake import fetch_run_token
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.server.app import ServerContext, create_app
@@ -54,10 +54,7 @@ class RunningServer:
 @functools.cache
 def admin_token(url: str, secret: str = SECRET) -> str:
     """A run token for the server at ``url``, by the same challenge the runners use."""
-    with run_client(url, secret) as http:
-        http.get("/v1/status").raise_for_status()
-        assert isinstance(http.auth, RunAuth) and http.auth._token is not None
-        return http.auth._token
+    return fetch_run_token(url, secret)
 
 
 class Harness:

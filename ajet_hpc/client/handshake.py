@@ -87,3 +87,11 @@ def answer(url: str, secret: str, client_nonce: str, response: httpx.Response) -
 def run_client(url: str, secret: str, timeout_s: float = 10.0, **kwargs: Any) -> httpx.Client:
     """An ``httpx.Client`` on ``url`` whose every call carries a run token (proved for that URL)."""
     return httpx.Client(base_url=url, auth=RunAuth(url, secret), timeout=timeout_s, **kwargs)
+
+
+def fetch_run_token(url: str, secret: str, timeout_s: float = 10.0) -> str:
+    """One run token for the server at ``url`` (tools that write their own requests); valid
+    ``RUN_TOKEN_TTL_S``."""
+    client_nonce = secrets.token_urlsafe(24)
+    reply = httpx.get(f"{url.rstrip('/')}{CHALLENGE_PATH}", params={"c": client_nonce}, timeout=timeout_s)
+    return answer(url, secret, client_nonce, reply)
