@@ -172,17 +172,16 @@ class RunDir:
         """``folder`` private to its owner (0700), or readable by ``share_group`` (0750, that group): a
         neighbour who could write into the run could plant a rendezvous or a checkpoint (umask 002 makes
         new folders group-writable)."""
-        if share_group is None:
-            os.chmod(folder, 0o700)
-            return
         try:
-            shutil.chown(folder, group=share_group)
+            if share_group is not None:
+                shutil.chown(folder, group=share_group)
+            os.chmod(folder, 0o700 if share_group is None else 0o750)
         except (LookupError, PermissionError) as exc:
+            whose = f"give {folder} to group {share_group!r}" if share_group else f"make {folder} private"
             raise RunDirError(
-                f"cannot give {folder} to group {share_group!r} (cluster.share_group): {exc}; name a group "
-                "you belong to (see `id -Gn`), or leave share_group unset for a private run directory"
+                f"cannot {whose} (cluster.share_group): {exc}; the run directory must be yours, and "
+                "share_group a group you belong to (see `id -Gn`)"
             ) from exc
-        os.chmod(folder, 0o750)
 
     def _ensure_secret(self) -> None:
         path = self.secret_file
