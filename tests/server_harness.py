@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import socket
 import threading
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from ajet_hpc.client.handshake import fetch_run_token
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.server.app import ServerContext, create_app
@@ -27,7 +29,8 @@ class RunningServer:
 
     @property
     def admin(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {SECRET}"}
+        """The header of a run-secret holder: a run token from the challenge (the secret is never sent)."""
+        return {"Authorization": f"Bearer {admin_token(self.url)}"}
 
     def begin(self, **body) -> dict:
         reply = httpx.post(f"{self.url}/v1/episodes", json=body, headers=self.admin, timeout=30)
@@ -48,6 +51,12 @@ class RunningServer:
         return httpx.get(f"{self.url}/v1/status", headers=self.admin).json()
 
 
+@functools.cache
+def admin_token(url: str, secret: str = SECRET) -> str:
+    """A run token for the server at ``url``, by the same challenge the runners use."""
+    return fetch_run_token(url, secret)
+
+
 class Harness:
     def __init__(self, kind: str, model_path: Path, max_model_len: int = 1024) -> None:
         self.engine = create_engine(kind, model_path, max_model_len=max_model_len)
@@ -60,7 +69,8 @@ class Harness:
     def _call(self, coroutine, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def serve(self, name: str = "policy", **settings) -> RunningServer:
+    def serve(self, name: str = "policy", tls: tuple[str, str] | None = None, **settings) -> RunningServer:
+        """A server on a free loopback port; ``tls``: (certfile, keyfile) to speak HTTPS."""
         base = {"max_model_len": self.engine.max_model_len, "max_tokens": 64}
         ctx = ServerContext(
             name=name, engine=self.engine, settings=ServingConfig(**{**base, **settings}), secret=SECRET
@@ -68,9 +78,15 @@ class Harness:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         sock.listen(1024)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{sock.getsockname()[1]}"
         ctx.public_url = url
-        config = uvicorn.Config(create_app(ctx, manage_engine=False), log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            create_app(ctx, manage_engine=False),
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
+        )
         server = uvicorn.Server(config)
         asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
         while not server.started:

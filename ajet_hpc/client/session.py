@@ -1,5 +1,8 @@
 """The episode API as a client runner uses it (holder of the run secret): begin, end, abort.
 
+Its calls carry a run token from the challenge (``client/handshake.py``), never the secret: a server that
+cannot prove it holds the secret raises ``ServerNotTrusted`` before anything is sent to it.
+
 It keeps the ids of the episodes it began and has not yet ended or aborted, so that a client task that is
 being stopped (SIGTERM: a cancel, or a hot swap of its group) can ``drain``: begin nothing more and abort
 what is open, instead of leaving the server to wait ``episode_timeout_s`` for them.
@@ -12,6 +15,8 @@ import threading
 from typing import Any
 
 import httpx
+
+from ajet_hpc.client.handshake import run_client
 
 
 class ServerAway(ConnectionError):
@@ -54,9 +59,7 @@ class KeyEnded(EpisodeRejected):
 class EpisodeAPI:
     def __init__(self, url: str, secret: str, timeout_s: float = 600.0) -> None:
         self.url = url
-        self._http = httpx.Client(
-            base_url=url, headers={"Authorization": f"Bearer {secret}"}, timeout=timeout_s
-        )
+        self._http = run_client(url, secret, timeout_s=timeout_s)
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self._stopping: str | None = None  # the reason, once drain() was called

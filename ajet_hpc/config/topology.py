@@ -34,6 +34,8 @@ from ajet_hpc.config.fields import (
 from ajet_hpc.config.placement import Placement, PlacementError, plan_placement
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
+# an account or qos name goes into an #SBATCH line: one word, no whitespace, quotes or shell characters
+_SLURM_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.+@-]*$"
 
 
 class RunConfig(BaseModel):
@@ -65,10 +67,16 @@ class ClusterConfig(BaseModel):
         description="Where jobs run: 'slurm', 'local' processes, or 'auto' (Slurm when sbatch is available).",
     )
     account: str | None = Field(
-        default=None, min_length=1, description="Slurm account (--account) for every job."
+        default=None,
+        min_length=1,
+        pattern=_SLURM_NAME,
+        description="Slurm account (--account) for every job: letters, digits and _ . + - @ only.",
     )
     qos: str | None = Field(
-        default=None, min_length=1, description="Slurm quality of service (--qos) for every job."
+        default=None,
+        min_length=1,
+        pattern=_SLURM_NAME,
+        description="Slurm quality of service (--qos) for every job: letters, digits and _ . + - @ only.",
     )
     setup: list[str] = Field(
         default_factory=list, description="Shell lines run before each job starts, e.g. 'module load cuda'."

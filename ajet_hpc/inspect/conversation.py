@@ -1,5 +1,8 @@
 """One episode as text: each model call's new messages, its tokens by author and loss mask, rewards, drift.
 
+Everything the run recorded (model text, messages, task ids, reasons) is printed with control characters
+escaped (``views.printable``): the ESC of a terminal escape sequence shows as ``\\x1b``.
+
 Tokens are shown in spans of one author and one loss mask. Without colour each span is tagged
 ``[author]…[/author]``; the model's tokens are expected to be trained (mask 1) and everybody else's not, so
 only the exceptions carry the mask: ``[model mask=0]`` (a sampled answer reused as context) or
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ajet_hpc.inspect.run import InspectError
-from ajet_hpc.inspect.views import fmt, fmt_time, fmt_versions, table
+from ajet_hpc.inspect.views import fmt, fmt_time, fmt_versions, printable, table
 from ajet_hpc.storage.episode_store import EpisodeRecord
 from ajet_hpc.tracking.timeline import AUTHOR_NAMES, MODEL, Timeline
 
@@ -76,9 +79,9 @@ def _header(model: str, record: EpisodeRecord, decoded: bool, options: ShowOptio
     duration = (record.ended_at - record.started_at) if record.ended_at and record.started_at else None
     versions = fmt_versions([t.policy_version for t in timelines])
     lines = [
-        f"episode {record.episode_id}  (model {model})",
-        f"  task {fmt(record.task_id)}  group {fmt(record.group)}  state {record.state}  "
-        f"reward {fmt(record.reward)}" + (f"  reason: {record.reason}" if record.reason else ""),
+        f"episode {fmt(record.episode_id)}  (model {fmt(model)})",
+        f"  task {fmt(record.task_id)}  group {fmt(record.group)}  state {fmt(record.state)}  "
+        f"reward {fmt(record.reward)}" + (f"  reason: {printable(record.reason)}" if record.reason else ""),
         f"  started {fmt_time(record.started_at)}  ended {fmt_time(record.ended_at)}"
         + (f"  ({duration:.2f} s)" if duration is not None else "")
         + f"  calls {len(timelines)}  policy versions {versions}",
@@ -86,7 +89,7 @@ def _header(model: str, record: EpisodeRecord, decoded: bool, options: ShowOptio
     if record.turn_rewards is not None:
         lines.append("  turn rewards " + " ".join(fmt(r) for r in record.turn_rewards))
     if record.metadata:
-        lines.append(f"  metadata {json.dumps(record.metadata, sort_keys=True, default=str)}")
+        lines.append(f"  metadata {printable(json.dumps(record.metadata, sort_keys=True, default=str))}")
     if options.color:
         legend = " ".join(f"{COLORS[a]}{name}{RESET}" for a, name in AUTHOR_NAMES.items())
         lines.append(f"  tokens: {legend}  {REUSED_COLOR}model, mask 0{RESET}")
@@ -113,7 +116,8 @@ def _turn(
     trained = sum(timeline.loss_mask)
     lines.append(f"loss-masked tokens: {trained} of {len(timeline.token_ids)} (mask 1 = trained)")
     for event in timeline.drift:
-        lines.append(f"drift: message {event.message_index} {event.kind}: {event.detail}")
+        detail = printable(str(event.detail))
+        lines.append(f"drift: message {event.message_index} {fmt(event.kind)}: {detail}")
     if options.tokens:
         lines.append(_token_table(timeline, start, decoder))
     return "\n".join(lines)
@@ -132,7 +136,7 @@ def _new_part(timeline: Timeline, previous: Timeline | None) -> tuple[int, int]:
 
 
 def _turn_title(record: EpisodeRecord, index: int, timeline: Timeline, previous: Timeline | None) -> str:
-    parts = [f"v{timeline.policy_version}", f"finish {timeline.finish_reason}"]
+    parts = [f"v{timeline.policy_version}", f"finish {fmt(timeline.finish_reason)}"]
     if timeline.finished_at and timeline.started_at:
         parts.append(f"{timeline.finished_at - timeline.started_at:.2f} s")
     prior = record.timelines[index - 1] if index > 0 else None
@@ -156,9 +160,9 @@ def _message(message: dict[str, Any], reply: bool = False) -> str:
         function = call.get("function", {})
         text += f"\n-> {function.get('name')}({function.get('arguments')})"
     if message.get("tool_call_id"):
-        role += f" [{message['tool_call_id']}]"
-    label = f"{'reply ' if reply else ''}{role}:"
-    body = text.strip("\n").replace("\n", "\n" + " " * 4)
+        role = f"{role} [{message['tool_call_id']}]"
+    label = f"{'reply ' if reply else ''}{fmt(role)}:"
+    body = printable(str(text)).strip("\n").replace("\n", "\n" + " " * 4)
     return f"  {label} {body}" if "\n" not in body else f"  {label}\n    {body}"
 
 
@@ -171,7 +175,7 @@ def _spans(timeline: Timeline, start: int, decoder: Decoder, color: bool) -> str
         key = (authors[position], mask[position])
         while end < len(ids) and (authors[end], mask[end]) == key:
             end += 1
-        out.append(_span(key[0], key[1], decoder.text(ids[position:end]), color))
+        out.append(_span(key[0], key[1], printable(decoder.text(ids[position:end])), color))
         position = end
     return "".join(out)
 

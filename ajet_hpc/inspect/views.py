@@ -1,11 +1,14 @@
 """Text reports of a run: the summary, the episode table, and the filters they share with export.
 
-Every function here is pure formatting over what :mod:`ajet_hpc.inspect.run` read; nothing prints.
+Every function here is pure formatting over what :mod:`ajet_hpc.inspect.run` read; nothing prints. Text that
+comes from a run (model text, task ids, reasons and tracebacks) goes through ``printable`` first: a model or
+an agent can write terminal escape sequences, and the reader's terminal must not obey them.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -22,6 +25,24 @@ MAX_FAILURE_ROWS = 5
 
 
 # ------------------------------------------------------------------------------------------ formatting
+# C0 and C1 controls (ESC starts every terminal escape sequence), DEL, bidirectional overrides that reorder
+# what is shown, and lone surrogates (not printable at all); \t and \n are matched only by _UNSAFE_LINE
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str, lines: bool = True) -> str:
+    """``text`` safe to print on a terminal: control characters, bidirectional overrides and lone
+    surrogates written as ``\\xNN`` / ``\\uNNNN``. ``lines``: keep newlines and tabs (model text stays
+    readable); else they are escaped too (one table cell, one line)."""
+    return (_UNSAFE if lines else _UNSAFE_LINE).sub(_escape, text)
+
+
 def fmt(value: Any, digits: int = 3) -> str:
     """A cell: ``-`` for missing, floats to ``digits`` significant decimals, lists joined."""
     if value is None:
@@ -32,7 +53,7 @@ def fmt(value: Any, digits: int = 3) -> str:
         if math.isnan(value):
             return "nan"
         return f"{value:.{digits}f}" if abs(value) < 1e5 else f"{value:.3g}"
-    return str(value)
+    return printable(str(value), lines=False)
 
 
 def fmt_versions(versions: Sequence[int] | None) -> str:
@@ -248,10 +269,10 @@ def _failure_lines(summaries: list[dict[str, Any]]) -> list[str]:
         return ["  failures   0"]
     reasons = Counter((s.get("state"), s.get("reason") or "(no reason)") for s in failed)
     lines = [f"  failures   {len(failed)}"]
-    lines += [f"    {n} x {state}: {reason}" for (state, reason), n in reasons.most_common()]
+    lines += [f"    {n} x {state}: {fmt(reason)}" for (state, reason), n in reasons.most_common()]
     for s in failed[-MAX_FAILURE_ROWS:]:
         task, ended = fmt(s.get("task_id")), fmt_time(s.get("ended_at"))
-        lines.append(f"    {s['episode_id']}  {s.get('state')}  task {task}  ended {ended}")
+        lines.append(f"    {fmt(s['episode_id'])}  {fmt(s.get('state'))}  task {task}  ended {ended}")
     return lines
 
 

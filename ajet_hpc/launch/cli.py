@@ -16,13 +16,14 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ajet_hpc.config import ConfigError, Topology, check_partitions, load_topology
+from ajet_hpc.config import ConfigError, Topology, check_partitions, dump_topology, load_topology
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch import registry, runtimes, slurmcli, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
-from ajet_hpc.launch.control import task_states
+from ajet_hpc.launch.control import TaskState, task_states
 from ajet_hpc.launch.fit import fit_issues
 from ajet_hpc.launch.plan import Planned, build_plan
+from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.launch.supervise import supervise
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage.rundir import RunDir, RunDirError
@@ -109,13 +110,48 @@ def resolve_backend(topology: Topology) -> str:
 
 
 def still_active(run: RunDir, job: Planned) -> str | None:
-    """The job id of a live earlier submission of ``job`` (so a relaunch does not start it twice)."""
+    """The job id of a live earlier submission of ``job`` (so a relaunch does not start it twice).
+
+    Fails closed: ``BackendError`` when the scheduler cannot tell (never "gone, submit again")."""
     previous = registry.latest(run).get(job.name)
     if previous is None:
         return None
-    if any(state.active for state in task_states(previous)):
+    if any(state.active for state in _states(run, previous)):
         return previous.job_id
     return None
+
+
+def live_jobs(run: RunDir) -> list[tuple[str, str]]:
+    """(job name, job id) of every earlier submission of this run that still runs or waits."""
+    return [
+        (name, job.job_id)
+        for name, job in registry.latest(run).items()
+        if any(state.active for state in _states(run, job))
+    ]
+
+
+def _states(run: RunDir, job: SubmittedJob) -> list[TaskState]:
+    try:
+        return task_states(job)
+    except slurmcli.SlurmError as exc:
+        raise BackendError(
+            f"cannot tell whether job {job.job_id} ({job.name}) of {run.root} still runs, so nothing was "
+            f"submitted (it could run twice): {exc}. Launch again once Slurm answers (squeue, scontrol)"
+        ) from exc
+
+
+def refuse_force_over_live_jobs(run: RunDir, topology: Topology, force: bool) -> None:
+    """--force replaces a run's topology: not while jobs of the old one still run (they would keep the old
+    topology, and the new submissions would run beside them)."""
+    if not (force and run.exists()) or run.topology_file.read_text() == dump_topology(topology):
+        return
+    live = live_jobs(run)
+    if live:
+        jobs = ", ".join(f"{name} (job {job_id})" for name, job_id in live)
+        raise BackendError(
+            f"--force would replace the topology of {run.root} while its jobs still run: {jobs}. Cancel "
+            f"them first (python -m ajet_hpc.cancel {run.root}), then launch with --force again"
+        )
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -146,6 +182,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"dry run: {len(plan)} job(s) for run directory {run.root}; nothing submitted or written")
         return 0
 
+    refuse_force_over_live_jobs(run, topology, args.force)
     state = run.prepare(topology, force=args.force)
     print(f"run directory: {run.root} ({state})")
     try:
@@ -158,9 +195,11 @@ def launch(args: argparse.Namespace) -> int:
         for line in hand_commands(topology, run, pythons):
             print(f"  {line}")
         return 0
+    # every job asked before any is submitted: a scheduler that cannot answer stops the launch here
+    alive = {job.name: still_active(run, job) for job in plan} if state == "resumed" else {}
     submitted = []
     for job in plan:
-        live = still_active(run, job) if state == "resumed" else None
+        live = alive.get(job.name)
         if live:
             print(f"  {job.name:<24} still active as job {live}: left alone")
             continue

@@ -16,6 +16,11 @@ A build runs under a lock file (two launches never build the same runtime at onc
 folder (venv scripts and conda packages record their absolute path, so a build cannot be renamed into
 place); it counts as complete only once its marker file is written, last. A failed build is removed; an
 interrupted one is found without its marker and rebuilt.
+
+A cached runtime is code that every client task runs, so it is reused only when this user owns it and no
+one else can change it: every folder and file of the runtime owned by the user and
+not writable by group or others (``untrusted_reason``); anything else is refused with the path and the
+fix. Builds run under umask 022 so that they pass that check on a cluster whose default umask is 002.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import itertools
+import os
 import platform
 import shutil
 import site
+import stat
 import subprocess
 import sys
 import time
@@ -169,10 +177,12 @@ def ensure_all(runtimes: Mapping[str, Runtime], progress: Progress = print) -> N
 def ensure(runtime: Runtime, progress: Progress = print) -> Path:
     """The runtime's python, after building the runtime unless a complete one is cached."""
     if runtime.complete:
+        _refuse_untrusted(runtime)
         progress(f"client runtime for {runtime.who()}: reusing {runtime.path}")
         return runtime.python
     with _locked(runtime.lock_file, progress):
         if runtime.complete:
+            _refuse_untrusted(runtime)
             progress(f"client runtime for {runtime.who()}: built meanwhile by another launch, {runtime.path}")
             return runtime.python
         if runtime.path.exists():
@@ -180,11 +190,14 @@ def ensure(runtime: Runtime, progress: Progress = print) -> Path:
             shutil.rmtree(runtime.path)
         progress(f"client runtime for {runtime.who()}: building a {runtime.kind} in {runtime.path}")
         started = time.monotonic()
+        umask = os.umask(0o022)  # nobody but this user may change what the client tasks will run
         try:
             _build(runtime, progress)
         except BaseException:
             shutil.rmtree(runtime.path, ignore_errors=True)
             raise
+        finally:
+            os.umask(umask)
         write_json_atomic(
             runtime.path / MARKER,
             {
@@ -197,6 +210,33 @@ def ensure(runtime: Runtime, progress: Progress = print) -> Path:
         )
         progress(f"  runtime ready in {time.monotonic() - started:.0f}s: {runtime.python}")
     return runtime.python
+
+
+def untrusted_reason(path: Path, uid: int | None = None) -> str | None:
+    """Why ``path`` (a folder: itself and everything under it, links not followed) may not be trusted, or
+    None: an entry owned by another user, or writable by group or others."""
+    uid = os.getuid() if uid is None else uid
+    if not path.exists():
+        return None
+    walked = os.walk(path)
+    entries = (os.path.join(folder, name) for folder, dirs, files in walked for name in (*dirs, *files))
+    for entry in itertools.chain([str(path)], entries):
+        info = os.lstat(entry)
+        if info.st_uid != uid:
+            return f"{entry} is owned by uid {info.st_uid}, not by you (uid {uid})"
+        if not stat.S_ISLNK(info.st_mode) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{entry} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def _refuse_untrusted(runtime: Runtime) -> None:
+    reason = untrusted_reason(runtime.path)
+    if reason is not None:
+        raise RuntimeBuildError(
+            f"{runtime.who()}: refusing the cached runtime {runtime.path}: {reason}. Another user could put "
+            "code into it that every client task runs; remove it (or `chmod -R go-w` it if you own all of "
+            "it) and launch again, or point cluster.env_cache to a folder of your own"
+        )
 
 
 def _distinct(runtimes: Mapping[str, Runtime]) -> list[Runtime]:

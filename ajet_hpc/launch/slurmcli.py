@@ -2,6 +2,10 @@
 
 Job states come from ``squeue`` and, for jobs that left the queue, from ``scontrol show job``: many
 clusters (and the dev cluster) run without accounting, where ``sacct`` does not answer.
+
+``job_states`` fails closed: only Slurm's own "invalid job id" answer means that a job is gone; any other
+failure (controller down, timeout, no scontrol) raises ``SlurmError``, so that a relaunch never mistakes
+live jobs for ended ones and submits them twice.
 """
 
 from __future__ import annotations
@@ -66,11 +70,31 @@ def _parse_scontrol_record(text: str) -> dict[str, str]:
     return fields
 
 
+_UNKNOWN_JOB = "invalid job id"  # scontrol's answer for a job that left slurmctld's memory (MinJobAge)
+
+
+def _show_job(job_id: str) -> str:
+    """``scontrol show job -o`` of one job; '' when Slurm says it does not know it, ``SlurmError`` when
+    Slurm did not answer."""
+    cmd = ["scontrol", "show", "job", "-o", str(job_id)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+    if done.returncode == 0:
+        return done.stdout
+    said = (done.stderr.strip() or done.stdout.strip())[-2000:]
+    if _UNKNOWN_JOB in said.lower():
+        return ""
+    raise SlurmError(f"{' '.join(cmd)} exited {done.returncode}: {said or '(no output)'}")
+
+
 def job_states(job_ids: Iterable[str]) -> list[JobState]:
-    """States of every task of the given jobs (array tasks and hetjob components expanded)."""
+    """States of every task of the given jobs (array tasks and hetjob components expanded); a job Slurm no
+    longer knows has none. ``SlurmError`` when Slurm cannot answer (never read as "gone")."""
     states: list[JobState] = []
     for job_id in job_ids:
-        out = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+        out = _show_job(str(job_id))
         for line in out.splitlines():
             rec = _parse_scontrol_record(line)
             if "JobId" not in rec:

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import psutil
 
+from ajet_hpc.client.handshake import run_client
 from ajet_hpc.config import (
     ClientGroupConfig,
     ConfigError,
@@ -439,10 +440,9 @@ def _live_status(run: RunDir, server: str, secret: str) -> dict[str, Any] | None
         return None
     if record is None or record.is_stale():
         return None
-    try:
-        reply = httpx.get(
-            f"{record.url}/v1/status", headers={"Authorization": f"Bearer {secret}"}, timeout=5.0
-        )
+    try:  # a server that cannot prove it holds the secret raises ServerNotTrusted: the swap stops there
+        with run_client(record.url, secret, timeout_s=5.0) as http:
+            reply = http.get("/v1/status")
         reply.raise_for_status()
         return reply.json()
     except (httpx.HTTPError, ValueError):

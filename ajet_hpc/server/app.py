@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Engine
-from ajet_hpc.server import watchdog
+from ajet_hpc.server import challenge, watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.router import router
@@ -154,4 +154,5 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(challenge.router)
     return app

@@ -1,28 +1,44 @@
-"""Who may call a server: the run secret and signed episode tokens (pure functions, no web framework).
+"""Who may call a server: run tokens from a challenge, and signed episode tokens (pure functions, no web
+framework).
 
-Every request carries ``Authorization: Bearer <token>``. Two kinds of token exist:
+Every authenticated request carries ``Authorization: Bearer <token>``. The **run secret** (the hex string in
+``RUN/secret``, mode 0600) is the key of every token, held by the user, the launcher and the client runners;
+it is never sent over HTTP (a server that receives it answers 401). Its holders first prove to each other
+that they hold it (``ajet_hpc.client.handshake`` does the client side)::
 
-- the **run secret** (the hex string in ``RUN/secret``, mode 0600): held by the user, the launcher and the
-  client runners. It authorizes the episode API (begin, end, abort) and status.
-- an **episode token**, issued by the server when an episode begins and handed to the agent as its API key.
-  It authorizes only chat/completions calls for its own episode and model, until it expires. Format::
+    client: c = random nonce                 GET /v1/auth/challenge?c=<c>     (unauthenticated)
+    server: s = base64url(t || r || HMAC(K, "run1-nonce|" t || r))            t: issue time, r: random
+            proof = HMAC(K, "run1-server|" c "|" s "|" url)                   url: the server's public URL
+    client: checks proof for the URL it called (else: a server that does not hold the secret, or a relay
+            of a real one: it sends nothing), then calls with the **run token**
+            run1.<s>.<c>.<base64url(HMAC(K, "run1-client|" s "|" c))>
 
-      ep1.<base64url(payload)>.<base64url(HMAC-SHA256(secret, "ep1." + base64url(payload)))>
+The server checks a run token without state: ``s`` was minted with K and is younger than
+``RUN_TOKEN_TTL_S``, and the mac is right. A planted rendezvous file thus learns neither the secret nor a
+token: it cannot answer the challenge, and a relay to the real server fails because the proof names the
+real server's URL. A token seen on the wire (without TLS) is valid until it expires; the secret is not.
 
-  with ``payload = {"e": episode_id, "m": model, "x": expiry}`` as compact JSON with sorted keys, expiry in
-  whole unix seconds, base64url without padding. The HMAC key is the secret string as UTF-8 bytes.
+An **episode token** is issued by the server when an episode begins and handed to the agent as its API
+key. It authorizes only chat/completions calls for its own episode and model, until it expires. Format::
+
+    ep1.<base64url(payload)>.<base64url(HMAC-SHA256(secret, "ep1." + base64url(payload)))>
+
+with ``payload = {"e": episode_id, "m": model, "x": expiry}`` as compact JSON with sorted keys, expiry in
+whole unix seconds, base64url without padding. The HMAC key is the secret string as UTF-8 bytes.
 
 What each presented token gets (``authorize_run_call`` / ``authorize_episode_call``)::
 
     presented                        episode API, status      chat / completions
     no header, not "Bearer <token>"  401 Unauthorized         401 Unauthorized
-    run secret                       allowed                  403 Forbidden (begin an episode, use its token)
+    the run secret itself            401 Unauthorized         401 Unauthorized
+    run token, forged/expired        401 Unauthorized         401 Unauthorized
+    run token, valid                 allowed                  403 Forbidden (begin an episode, use its token)
     episode token, forged/malformed  401 Unauthorized         401 Unauthorized
     episode token, expired           401 Unauthorized         401 Unauthorized
     episode token, valid             403 Forbidden            allowed, if for this model and (when the
                                                               request names one) this episode; else 403
 
-The run secret is refused for model calls on purpose: every token the server serves is recorded for
+Run tokens are refused for model calls on purpose: every token the server serves is recorded for
 training, and a call outside an episode has nowhere to be recorded. Error messages never echo a token;
 ``redact`` removes tokens and secrets from text bound for logs.
 """
@@ -35,11 +51,16 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
 
 TOKEN_VERSION = "ep1"
+RUN_TOKEN_VERSION = "run1"
+RUN_TOKEN_TTL_S = 24 * 3600.0  # a client whose token expired runs the challenge again (on its 401)
+_CLIENT_NONCE = re.compile(r"[A-Za-z0-9_-]{16,128}")
+_STAMP_BYTES, _RANDOM_BYTES, _MAC_BYTES = 8, 16, 32
 
 
 class AuthError(Exception):
@@ -122,6 +143,69 @@ def verify_episode_token(secret: str, token: str, now: float | None = None) -> E
     return claims
 
 
+def _mac(secret: str, label: str, *parts: bytes | str) -> bytes:
+    message = (
+        label.encode("ascii") + b"|" + b"|".join(p if isinstance(p, bytes) else p.encode() for p in parts)
+    )
+    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).digest()
+
+
+def check_client_nonce(nonce: str) -> str:
+    """``nonce`` when it is 16 to 128 base64url characters; ``Unauthorized`` otherwise."""
+    if not _CLIENT_NONCE.fullmatch(nonce):
+        raise Unauthorized("malformed challenge nonce: send 16 to 128 base64url characters as c")
+    return nonce
+
+
+def mint_challenge(
+    secret: str, client_nonce: str, server_url: str, now: float | None = None
+) -> tuple[str, str]:
+    """The server's answer to a challenge: ``(s, proof)``, ``s`` a server nonce only a holder of the
+    secret can mint, ``proof`` that this server (at ``server_url``) holds the secret."""
+    if not secret:
+        raise ValueError("cannot answer a challenge with an empty secret")
+    check_client_nonce(client_nonce)
+    stamp = int(time.time() if now is None else now).to_bytes(_STAMP_BYTES, "big")
+    body = stamp + os.urandom(_RANDOM_BYTES)
+    server_nonce = _b64encode(body + _mac(secret, "run1-nonce", body))
+    return server_nonce, server_proof(secret, client_nonce, server_nonce, server_url)
+
+
+def server_proof(secret: str, client_nonce: str, server_nonce: str, server_url: str) -> str:
+    """What a server that holds ``secret`` answers at ``server_url`` (the client checks it)."""
+    return _b64encode(_mac(secret, "run1-server", client_nonce, server_nonce, server_url.rstrip("/")))
+
+
+def run_token(secret: str, client_nonce: str, server_nonce: str) -> str:
+    """The bearer token a client derives once the server proved that it holds ``secret``."""
+    mac = _b64encode(_mac(secret, "run1-client", server_nonce, client_nonce))
+    return f"{RUN_TOKEN_VERSION}.{server_nonce}.{client_nonce}.{mac}"
+
+
+def verify_run_token(secret: str, token: str, now: float | None = None) -> None:
+    """Nothing when ``token`` is a run token of this run's secret, unexpired; ``Unauthorized`` otherwise."""
+    parts = token.split(".")
+    if len(parts) != 4 or parts[0] != RUN_TOKEN_VERSION or not _CLIENT_NONCE.fullmatch(parts[2]):
+        raise Unauthorized(f"malformed run token (expected {RUN_TOKEN_VERSION}.<s>.<c>.<mac>)")
+    _, server_nonce, client_nonce, mac = parts
+    try:
+        raw = _b64decode(server_nonce)
+    except (binascii.Error, ValueError) as exc:
+        raise Unauthorized("malformed run token") from exc
+    body, minted = raw[: _STAMP_BYTES + _RANDOM_BYTES], raw[_STAMP_BYTES + _RANDOM_BYTES :]
+    expected = _b64encode(_mac(secret, "run1-client", server_nonce, client_nonce))
+    if (
+        not secret
+        or len(minted) != _MAC_BYTES
+        or not hmac.compare_digest(_mac(secret, "run1-nonce", body), minted)
+        or not hmac.compare_digest(expected.encode(), mac.encode())
+    ):
+        raise Unauthorized("run token does not match (forged, or made for another run)")
+    issued = int.from_bytes(body[:_STAMP_BYTES], "big")
+    if (time.time() if now is None else now) >= issued + RUN_TOKEN_TTL_S:
+        raise Unauthorized("run token expired: run the challenge again (GET /v1/auth/challenge)")
+
+
 def bearer_token(header: str | None) -> str:
     """The token of an ``Authorization: Bearer <token>`` header value."""
     if header is None or not header.strip():
@@ -139,15 +223,24 @@ def is_run_secret(secret: str, presented: str) -> bool:
     return hmac.compare_digest(secret.encode("utf-8"), presented.encode("utf-8"))
 
 
+_SECRET_SENT = (
+    "the run secret itself is never accepted over HTTP: prove it with the challenge (GET "
+    "/v1/auth/challenge, ajet_hpc.client.handshake) and call with the run token it gives"
+)
+
+
 def authorize_run_call(secret: str, header: str | None) -> None:
-    """Admit a call of the episode API or status: only the run secret may make one."""
+    """Admit a call of the episode API or status: only a run token (from the challenge) may make one."""
     token = bearer_token(header)
-    if is_run_secret(secret, token):
+    if token.startswith(f"{RUN_TOKEN_VERSION}."):
+        verify_run_token(secret, token)
         return
+    if is_run_secret(secret, token):
+        raise Unauthorized(_SECRET_SENT)
     if token.startswith(f"{TOKEN_VERSION}."):
         verify_episode_token(secret, token)  # 401 when forged or expired
-        raise Forbidden("an episode token may only call the model; the episode API needs the run secret")
-    raise Unauthorized("invalid API key: the episode API needs the run secret")
+        raise Forbidden("an episode token may only call the model; the episode API needs a run token")
+    raise Unauthorized("invalid API key: the episode API needs a run token (GET /v1/auth/challenge)")
 
 
 def authorize_episode_call(
@@ -156,6 +249,9 @@ def authorize_episode_call(
     """Admit a chat/completions call for ``model`` (and ``episode_id`` when the request names one)."""
     token = bearer_token(header)
     if is_run_secret(secret, token):
+        raise Unauthorized(_SECRET_SENT)
+    if token.startswith(f"{RUN_TOKEN_VERSION}."):
+        verify_run_token(secret, token)
         raise Forbidden("model calls are recorded per episode: begin an episode and call with its token")
     if not token.startswith(f"{TOKEN_VERSION}."):
         raise Unauthorized("invalid API key: model calls need an episode token")
@@ -168,6 +264,7 @@ def authorize_episode_call(
 
 
 _SECRET_PATTERNS = (
+    re.compile(rf"{RUN_TOKEN_VERSION}\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"),
     re.compile(rf"{TOKEN_VERSION}\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"),
     re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{64,}(?![0-9A-Fa-f])"),
 )
@@ -175,7 +272,7 @@ _BEARER = re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])[A-Za-z0-9._~+/=-]+")  #
 
 
 def redact(text: str) -> str:
-    """``text`` with episode tokens, run secrets (64+ hex digits) and bearer values replaced by
+    """``text`` with run and episode tokens, run secrets (64+ hex digits) and bearer values replaced by
     ``[redacted]``, for log lines."""
     for pattern in _SECRET_PATTERNS:
         text = pattern.sub("[redacted]", text)

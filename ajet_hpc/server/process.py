@@ -231,6 +231,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         "server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port
     )
 
+    tls = config.serving  # TLS: the server speaks HTTPS and publishes an https URL (docs/security.md)
+    scheme = "https" if tls.tls_certfile else "http"
     model_path = resolve_model(config.model, run.root / "models")
     engine = create_engine(config.engine, model_path, **engine_settings(config, placement))
     ctx = ServerContext(
@@ -239,7 +241,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         settings=config.serving,
         secret=run.read_secret(),
         job_id=job.job_id,
-        public_url=f"http://{host}:{port}",
+        public_url=f"{scheme}://{host}:{port}",
     )
     ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
     stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
@@ -257,10 +259,18 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         coordinator.collector.ended_count = ctx.episodes.ended_count
         coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
         ctx.attach_trainer(coordinator)
-    server = GracefulServer(uvicorn.Config(create_app(ctx), log_level="warning", access_log=False))
+    server = GracefulServer(
+        uvicorn.Config(
+            create_app(ctx),
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=tls.tls_certfile,
+            ssl_keyfile=tls.tls_keyfile,
+        )
+    )
     record = rendezvous.Rendezvous(
         name=config.name,
-        url=f"http://{host}:{port}",
+        url=ctx.public_url,
         host=host,
         port=port,
         pid=os.getpid(),

@@ -1,5 +1,8 @@
 """The run directory: the single source of truth of a run, on storage shared by every node.
 
+The folders are private to their owner (0700), or 0750 and owned by ``cluster.share_group`` when set
+(``prepare`` tightens them on every launch).
+
 Layout (see docs/architecture.md)::
 
     RUN/topology.yaml        resolved topology, frozen at first launch (changed only by --force and by
@@ -18,6 +21,7 @@ from __future__ import annotations
 import difflib
 import os
 import secrets
+import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -140,6 +144,7 @@ class RunDir:
                 state = "replaced"
         for folder in (self.root, self.servers_dir, self.logs_dir, self.data_dir, self.ckpt_dir):
             folder.mkdir(parents=True, exist_ok=True)
+            self._restrict(folder, topology.cluster.share_group)
         self._ensure_secret()
         if state != "resumed":
             write_bytes_atomic(self.topology_file, frozen_text.encode())
@@ -161,6 +166,22 @@ class RunDir:
             n += 1
             candidate = self.root / f"topology.{stamp}-{n}.yaml"
         return candidate
+
+    @staticmethod
+    def _restrict(folder: Path, share_group: str | None) -> None:
+        """``folder`` private to its owner (0700), or readable by ``share_group`` (0750, that group): a
+        neighbour who could write into the run could plant a rendezvous or a checkpoint (umask 002 makes
+        new folders group-writable)."""
+        try:
+            if share_group is not None:
+                shutil.chown(folder, group=share_group)
+            os.chmod(folder, 0o700 if share_group is None else 0o750)
+        except (LookupError, PermissionError) as exc:
+            whose = f"give {folder} to group {share_group!r}" if share_group else f"make {folder} private"
+            raise RunDirError(
+                f"cannot {whose} (cluster.share_group): {exc}; the run directory must be yours, and "
+                "share_group a group you belong to (see `id -Gn`)"
+            ) from exc
 
     def _ensure_secret(self) -> None:
         path = self.secret_file

@@ -12,11 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from support import REPO, run_module, topology_dict, wait_until, write_topology
 
+from ajet_hpc.client.handshake import run_client
 from ajet_hpc.client.session import EpisodeAPI, KeyEnded
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.episode_store import EpisodeReader
@@ -115,7 +115,7 @@ def test_keys_and_half_complete_groups_survive_a_server_restart(tmp_path: Path) 
 def refusals(api: EpisodeAPI, finished_id: str, secret: str) -> None:
     """Bad ends get a 4xx naming the problem, and change nothing: a finished episode's other reward, an
     end naming another key, an episode this server never began."""
-    http = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {secret}"})
+    http = run_client(api.url, secret)
     other = http.post(f"/v1/episodes/{finished_id}/end", json={"reward": 0.5})
     assert other.status_code == 409 and other.json()["error"]["code"] == "episode_finished"
     begun = api.begin("t9", "math", {}, 0)

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from scripted_model import SCRIPT, SYSTEM, TOOLS
-from server_harness import SECRET, RunningServer
+from server_harness import SECRET, RunningServer, admin_token
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.server.auth import issue_episode_token
@@ -225,9 +225,16 @@ def test_auth_other_models_token_is_403(hf_server) -> None:
     assert _chat(begun["base_url"], judge).status_code == 403
 
 
-def test_auth_run_secret_cannot_chat_and_episode_token_cannot_begin(hf_server) -> None:
+def test_auth_run_token_cannot_chat_the_secret_is_never_taken_and_episode_token_cannot_begin(
+    hf_server,
+) -> None:
     begun = hf_server.begin()
-    assert _chat(begun["base_url"], SECRET).status_code == 403
+    assert _chat(begun["base_url"], admin_token(hf_server.url)).status_code == 403
+    for call in (
+        _chat(begun["base_url"], SECRET),
+        httpx.post(f"{hf_server.url}/v1/episodes", json={}, headers={"Authorization": f"Bearer {SECRET}"}),
+    ):
+        assert call.status_code == 401 and "never accepted over HTTP" in call.json()["error"]["message"]
     headers = {"Authorization": f"Bearer {begun['api_key']}"}
     assert httpx.post(f"{hf_server.url}/v1/episodes", json={}, headers=headers).status_code == 403
     assert httpx.get(f"{hf_server.url}/v1/status", headers=headers).status_code == 403

@@ -18,7 +18,9 @@ from ajet_hpc.server.auth import (
     bearer_token,
     is_run_secret,
     issue_episode_token,
+    mint_challenge,
     redact,
+    run_token,
     verify_episode_token,
 )
 
@@ -28,6 +30,11 @@ NOW = 1_700_000_000.0
 
 def _token(episode: str = "ep-7", model: str = "policy", ttl_s: float = 60.0) -> str:
     return issue_episode_token(SECRET, episode, model, ttl_s, now=NOW)
+
+
+def _run_token(secret: str = SECRET) -> str:
+    server_nonce, _ = mint_challenge(secret, "c" * 32, "http://server:1", now=NOW)
+    return run_token(secret, "c" * 32, server_nonce)
 
 
 def _payload(token: str) -> str:
@@ -112,6 +119,8 @@ def test_episode_call_errors_are_401_or_403(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(Forbidden, match="episode 'ep-7', not 'ep-8'"):
         authorize_episode_call(SECRET, header, "ep-8", "policy")
     with pytest.raises(Forbidden, match="begin an episode"):
+        authorize_episode_call(SECRET, f"Bearer {_run_token()}", None, "policy")
+    with pytest.raises(Unauthorized, match="never accepted over HTTP"):
         authorize_episode_call(SECRET, f"Bearer {SECRET}", None, "policy")
     with pytest.raises(Unauthorized, match="missing") as caught:
         authorize_episode_call(SECRET, None, None, "policy")
@@ -124,9 +133,11 @@ def test_episode_call_errors_are_401_or_403(monkeypatch: pytest.MonkeyPatch) -> 
     assert issubclass(Unauthorized, AuthError) and issubclass(Forbidden, AuthError)
 
 
-def test_episode_api_needs_the_run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_episode_api_needs_a_run_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("time.time", lambda: NOW + 1)
-    authorize_run_call(SECRET, f"Bearer {SECRET}")
+    authorize_run_call(SECRET, f"Bearer {_run_token()}")
+    with pytest.raises(Unauthorized, match="never accepted over HTTP"):
+        authorize_run_call(SECRET, f"Bearer {SECRET}")
     with pytest.raises(Forbidden, match="episode token"):
         authorize_run_call(SECRET, f"Bearer {_token()}")
     with pytest.raises(Unauthorized):

@@ -611,11 +611,14 @@ def completion_tokens(body: bytes) -> int:
 
 
 class OurApi:
-    """Requests against our server: the episode API with the run secret, chat calls with episode tokens."""
+    """Requests against our server: the episode API with a run token (the challenge proves the server holds
+    the secret; the secret itself is never sent), chat calls with episode tokens."""
 
     def __init__(self, port: int, secret: str) -> None:
-        self.port, self.secret = port, secret
-        self.begin_raw = request_bytes("POST", "/v1/episodes", port, {"task_id": "bench"}, secret)
+        from ajet_hpc.client.handshake import fetch_run_token
+
+        self.port, self.secret = port, fetch_run_token(f"http://127.0.0.1:{port}", secret)
+        self.begin_raw = request_bytes("POST", "/v1/episodes", port, {"task_id": "bench"}, self.secret)
 
     def end_raw(self, episode_id: str) -> bytes:
         return request_bytes(
