@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CACHE_LIMIT = 4096
+_UNSEEN = object()
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ class TemplateLayout:
     def _window_piece(self, cache_key: str, previous, message, tools, template_kwargs):
         """(length, hash) of what ``message`` adds after ``previous``, or None when the rendering of the
         pair does not start with that of ``previous`` alone. Cached per tracker."""
-        if cache_key in self._window_cache:
-            return self._window_cache[cache_key]
+        cached = self._window_cache.get(cache_key, _UNSEEN)  # one lookup: another thread may clear it
+        if cached is not _UNSEEN:
+            return cached
         alone = self._render_or_empty([previous], tools, template_kwargs)
         pair = self._render_or_empty([previous, message], tools, template_kwargs)
         piece = None
