@@ -371,7 +371,11 @@ def _heavy(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -
     """Whether building this prompt may take long enough (milliseconds) to move it off the event loop."""
     if len(messages) > HEAVY_MESSAGES or len(tools or ()) > HEAVY_MESSAGES:
         return True
-    return sum(len(message.get("content") or "") for message in messages) > HEAVY_CHARS
+    size = 0
+    for message in messages:
+        size += len(message.get("content") or "")
+        size += sum(len(call["function"]["arguments"]) for call in message.get("tool_calls") or ())
+    return size > HEAVY_CHARS
 
 
 def _usage(plan: PromptPlan, answers: list[Answer]) -> p.Usage:
