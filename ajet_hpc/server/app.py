@@ -18,6 +18,7 @@ from ajet_hpc.engine.base import Engine
 from ajet_hpc.server import challenge, watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
+from ajet_hpc.server.gate import RequestGate
 from ajet_hpc.server.router import router
 from ajet_hpc.server.serving import Service
 
@@ -155,4 +156,5 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(challenge.router)
+    app.add_middleware(RequestGate, ctx=ctx)  # token and body size, before the body is read
     return app

@@ -3,7 +3,10 @@
 An episode is open from ``begin`` until ``end`` (finished), ``abort`` (aborted) or ``episode_timeout_s``
 without a call (dropped, reported so that its task is run again). A closed episode is immutable: a late
 ``end`` or chat call for it is refused with 409. Closed episodes are handed to the sinks registered with
-``on_closed`` (the batch collector and the store) and kept as summaries for ``/v1/status``.
+``on_closed`` (the batch collector and the store) and kept as summaries for ``/v1/status``. The registry
+keeps the last ``keep_whole`` closed episodes whole (``GET /v1/episodes/<id>?timelines=true`` right after an
+end) and only the summaries of the last ``keep_closed`` (a whole 8-turn episode holds about half a MiB of
+tracker, timelines and messages; its summary about a KiB): the timelines of older ones are in the store.
 
 Exactly once: an episode begun with a task id, a client group and a repeat has a key. The registry
 remembers every key that ended (restored from the server store after a restart, ``restore_ended``): a
@@ -27,7 +30,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ajet_hpc.server.errors import BadRequest, Conflict, NotFound
+from ajet_hpc.server.errors import APIError, BadRequest, Conflict, NotFound
 from ajet_hpc.server.protocol import EpisodeSummary
 from ajet_hpc.tracking.context import ContextTracker
 from ajet_hpc.tracking.timeline import Timeline
@@ -50,6 +53,47 @@ class Ended:
     ended_at: float
     calls: int
     policy_versions: list[int]
+
+
+class Gone(APIError):
+    status_code = 410
+    error_type = "not_found_error"
+
+
+@dataclass(slots=True)
+class ClosedEpisode:
+    """What the registry keeps of a closed episode past the last ``keep_whole``: its summary."""
+
+    episode_id: str
+    state: str
+    reward: float | None
+    turn_rewards: list[float] | None
+    reason: str | None
+    kept: EpisodeSummary
+
+    @classmethod
+    def of(cls, episode: Episode) -> ClosedEpisode:
+        return cls(
+            episode.episode_id,
+            episode.state,
+            episode.reward,
+            episode.turn_rewards,
+            episode.reason,
+            episode.summary(),
+        )
+
+    def summary(self) -> EpisodeSummary:
+        return self.kept.model_copy()
+
+    @property
+    def timelines(self) -> list[Timeline]:
+        raise Gone(
+            f"the timelines of episode {self.episode_id} are no longer held by the server (it keeps only "
+            "the most recently closed episodes whole); read them from the run's store "
+            "(python -m ajet_hpc.inspect RUN show EPISODE_ID)",
+            param="timelines",
+            code="timelines_gone",
+        )
 
 
 def episode_key(task_id: str | None, group: str | None, repeat: int | None) -> Key | None:
@@ -116,15 +160,17 @@ class EpisodeRegistry:
         timeout_s: float,
         keep_closed: int = 10_000,
         keep_history: bool = False,
+        keep_whole: int = 64,
     ) -> None:
         """``tokenizer`` gives the engine's tokenizer (available once the engine has started);
         ``keep_history`` is the trackers' switch (``ServingConfig.keep_history``)."""
         self.model, self.tokenizer, self.timeout_s = model, tokenizer, timeout_s
         self.keep_history = keep_history
         self._open: dict[str, Episode] = {}
-        self._closed: dict[str, Episode] = {}
+        self._closed: dict[str, Episode | ClosedEpisode] = {}
         self._closed_order: deque[str] = deque()
-        self._keep_closed = keep_closed
+        self._whole_order: deque[str] = deque()  # the closed episodes still held whole, oldest first
+        self._keep_closed, self._keep_whole = keep_closed, keep_whole
         self.counts: Counter[str] = Counter()
         self.dropped_recent: deque[EpisodeSummary] = deque(maxlen=50)
         self._sinks: list[Callable[[Episode], None]] = []
@@ -173,7 +219,7 @@ class EpisodeRegistry:
             )
         return episode
 
-    def lookup(self, episode_id: str) -> Episode:
+    def lookup(self, episode_id: str) -> Episode | ClosedEpisode:
         episode = self._open.get(episode_id) or self._closed.get(episode_id)
         if episode is None:
             raise NotFound(f"unknown episode {episode_id!r}", param="episode_id", code="episode_not_found")
@@ -181,7 +227,7 @@ class EpisodeRegistry:
 
     def get_open(self, episode_id: str) -> Episode:
         episode = self.lookup(episode_id)
-        if episode.state != OPEN:
+        if not isinstance(episode, Episode) or episode.state != OPEN:
             raise Conflict(_closed_message(episode), param="episode_id", code=f"episode_{episode.state}")
         return episode
 
@@ -200,7 +246,7 @@ class EpisodeRegistry:
         episode = self.lookup(episode_id)
         if episode.state == FINISHED and episode.reward == reward and episode.turn_rewards == turn_rewards:
             return episode.summary().model_copy(update={"duplicate": True})  # a retried end
-        if episode.state != OPEN:
+        if not isinstance(episode, Episode) or episode.state != OPEN:
             raise Conflict(_closed_message(episode), param="episode_id", code=f"episode_{episode.state}")
         for name, given, held in (("task_id", task_id, episode.task_id), ("group", group, episode.group)):
             if given is not None and held is not None and given != held:
@@ -346,6 +392,11 @@ class EpisodeRegistry:
             del self._open_by_key[episode.key]
         self._closed[episode.episode_id] = episode
         self._closed_order.append(episode.episode_id)
+        self._whole_order.append(episode.episode_id)
+        while len(self._whole_order) > self._keep_whole:  # the sinks hold the whole ones they still need
+            older = self._whole_order.popleft()
+            if isinstance(self._closed.get(older), Episode):
+                self._closed[older] = ClosedEpisode.of(self._closed[older])
         while len(self._closed_order) > self._keep_closed:
             self._closed.pop(self._closed_order.popleft(), None)
         self.counts[OPEN] -= 1
@@ -358,7 +409,7 @@ class EpisodeRegistry:
         return len(self._open)
 
 
-def _closed_message(episode: Episode) -> str:
+def _closed_message(episode: Episode | ClosedEpisode) -> str:
     if episode.state == DROPPED:
         return f"episode {episode.episode_id} was dropped ({episode.reason}); its task is run again"
     return f"episode {episode.episode_id} is already {episode.state}; a closed episode cannot change"

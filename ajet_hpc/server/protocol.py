@@ -7,12 +7,60 @@ Extensions beyond OpenAI are marked "(ajet extension)".
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of JSON a request may carry (metadata, tool-call arguments): deeper input would hit
+Python's recursion limit when stored, rendered or parsed again (a 500 instead of a 400)."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, where: str) -> None:
+    """Refuse a string with a lone surrogate (JSON allows ``"\\ud800"``; UTF-8, and so the stores, do not)."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise ValueError(
+            f"{where}: text holds a lone surrogate (U+{ord(found.group()):04X} at character "
+            f"{found.start()}), which is not valid Unicode and cannot be stored; send valid UTF-8 text"
+        )
+
+
+def check_json(value: Any, where: str) -> None:
+    """Refuse JSON nested deeper than ``MAX_JSON_DEPTH`` or holding lone surrogates (keys and strings)."""
+    stack = [(value, 0, where)]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            check_text(item, path)
+        elif isinstance(item, dict | list):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in pairs:
+                if isinstance(key, str):
+                    check_text(key, f"{path} (a key)")
+                child_path = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+                stack.append((child, depth + 1, child_path))
+
+
+def check_arguments(arguments: str, where: str) -> None:
+    """Tool-call arguments: any text, but when it is JSON, not nested deeper than ``MAX_JSON_DEPTH``."""
+    try:
+        parsed = json.loads(arguments)
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:
+        return  # not JSON: the model's text as it was (the tracker compares it as text)
+    check_json(parsed, where)
+
 
 # --------------------------------------------------------------------------------------------- requests
 
@@ -48,6 +96,12 @@ class ChatMessage(_Lenient):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    @model_validator(mode="after")
+    def _tool_call_arguments(self) -> ChatMessage:
+        for index, call in enumerate(self.tool_calls or ()):
+            check_arguments(call.function.arguments, f"tool_calls[{index}].function.arguments")
+        return self
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: plain string content, tool calls as dicts."""
@@ -241,7 +295,18 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------------------- episode API
 
 
-class BeginEpisodeRequest(BaseModel):
+class _EpisodeBody(BaseModel):
+    """A body of the episode API: what it carries is stored, so every string must be valid Unicode and
+    JSON no deeper than ``MAX_JSON_DEPTH``."""
+
+    @model_validator(mode="after")
+    def _storable(self) -> _EpisodeBody:
+        for name in type(self).model_fields:
+            check_json(getattr(self, name), name)
+        return self
+
+
+class BeginEpisodeRequest(_EpisodeBody):
     model_config = ConfigDict(extra="forbid")
 
     task_id: str | None = Field(default=None, description="Stable id of the task this episode runs.")
@@ -266,7 +331,7 @@ class BeginEpisodeResponse(BaseModel):
     expires_at: float
 
 
-class EndEpisodeRequest(BaseModel):
+class EndEpisodeRequest(_EpisodeBody):
     """Rewards must be finite (checked here) and within ``±serving.max_abs_reward`` (``beyond_limit``, which
     the route checks against the server's setting): a bad value is refused before anything is recorded."""
 
@@ -313,7 +378,7 @@ class EndEpisodeRequest(BaseModel):
         return None
 
 
-class AbortEpisodeRequest(BaseModel):
+class AbortEpisodeRequest(_EpisodeBody):
     model_config = ConfigDict(extra="forbid")
 
     reason: str = "aborted by client"

@@ -72,12 +72,39 @@ class Service:
                 param="max_tokens",
             )
 
+    def check_sizes(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+        """The per-request work limits: messages, tools, stop strings (count and length); 400 beyond."""
+        limits = self.settings
+        counted = [("stop", len(request.stop_list()), limits.max_stop, "max_stop")]
+        if isinstance(request, p.ChatCompletionRequest):
+            counted.append(("messages", len(request.messages), limits.max_messages, "max_messages"))
+            counted.append(("tools", len(request.tools or ()), limits.max_tools, "max_tools"))
+        for param, count, limit, name in counted:
+            if count > limit:
+                raise BadRequest(
+                    f"{param} has {count} entries; this server's limit is {limit} (serving.{name})",
+                    param=param,
+                    code="limit_exceeded",
+                )
+        longest = max((len(stop) for stop in request.stop_list()), default=0)
+        if longest > limits.max_stop_chars:
+            raise BadRequest(
+                f"a stop string has {longest} characters; this server's limit is {limits.max_stop_chars} "
+                "(serving.max_stop_chars)",
+                param="stop",
+                code="limit_exceeded",
+            )
+
     async def chat_plan(self, request: p.ChatCompletionRequest, episode: Episode) -> PromptPlan:
         self.check_request(request.model, request.n, request.requested_max_tokens())
+        self.check_sizes(request)
         messages = [message.for_template() for message in request.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-        try:  # inline: a thread hop costs more than it saves (tools/bench/README.md)
-            plan = episode.tracker.build_prompt(messages, tools)
+        try:
+            if _heavy(messages, tools):  # off the event loop: /health and other calls go on meanwhile
+                plan = await asyncio.to_thread(episode.tracker.build_prompt, messages, tools)
+            else:  # inline: for a small prompt a thread hop costs more than it saves (tools/bench/README.md)
+                plan = episode.tracker.build_prompt(messages, tools)
         except (TemplateError, TypeError, ValueError) as exc:
             raise BadRequest(f"the model's chat template cannot render these messages: {exc}") from exc
         self._check_length(len(plan.prompt_ids))
@@ -85,6 +112,7 @@ class Service:
 
     def completion_plan(self, request: p.CompletionRequest) -> PromptPlan:
         self.check_request(request.model, request.n, request.max_tokens)
+        self.check_sizes(request)
         tokenizer = self.engine.tokenizer
         if isinstance(request.prompt, str):
             ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
@@ -316,7 +344,10 @@ class Service:
 
     # ------------------------------------------------------------------------------- text completions
     async def completion(self, request: p.CompletionRequest, episode: Episode) -> p.CompletionResponse:
-        plan = self.completion_plan(request)
+        if len(request.prompt) > HEAVY_CHARS:  # tokenizing a long text: off the event loop
+            plan = await asyncio.to_thread(self.completion_plan, request)
+        else:
+            plan = self.completion_plan(request)
         version = self.engine.policy_version
         answers = await self.generate_all(plan, request, f"cmpl-{uuid.uuid4().hex[:12]}")
         choices = []
@@ -330,6 +361,21 @@ class Service:
             )
         self.served += 1
         return p.CompletionResponse(model=self.model_name, choices=choices, usage=_usage(plan, answers))
+
+
+HEAVY_MESSAGES = 32
+HEAVY_CHARS = 64 * 1024
+
+
+def _heavy(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether building this prompt may take long enough (milliseconds) to move it off the event loop."""
+    if len(messages) > HEAVY_MESSAGES or len(tools or ()) > HEAVY_MESSAGES:
+        return True
+    size = 0
+    for message in messages:
+        size += len(message.get("content") or "")
+        size += sum(len(call["function"]["arguments"]) for call in message.get("tool_calls") or ())
+    return size > HEAVY_CHARS
 
 
 def _usage(plan: PromptPlan, answers: list[Answer]) -> p.Usage:

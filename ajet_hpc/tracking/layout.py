@@ -10,6 +10,13 @@ Limits: a template whose prefix renderings are not prefixes of the full renderin
 turns depending on later ones, e.g. stripping reasoning before the last user turn) gets approximate
 boundaries there — the common prefix — and a ``template_not_incremental`` drift event. Renderings of
 prefixes are cached per tracker, keyed by the exact messages, so a call re-renders only its new turns.
+
+Cost: rendering every prefix of an n-message conversation renders O(n²) messages (800 short messages took
+8 s). So boundaries are first found from windows of two messages: what rendering ``[m[k-1], m[k]]`` adds to
+rendering ``[m[k-1]]`` is message k's piece, and the pieces must follow each other in the full text and end
+exactly where the rendering of the whole conversation (no generation prompt) ends. For the usual templates
+(each turn rendered from itself and its predecessor) this holds and gives the prefix boundaries with O(n)
+messages rendered; when any piece does not fit, the prefix renderings above are used, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CACHE_LIMIT = 4096
+_UNSEEN = object()
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class TemplateLayout:
         self.tokenizer = tokenizer
         self._prefix_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash) of a prefix rendering
         self._preamble_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash)
+        self._window_cache: dict[str, tuple[int, int] | None] = {}  # two messages -> (length, hash) added
 
     def render(
         self,
@@ -105,12 +114,18 @@ class TemplateLayout:
             raise ValueError("a conversation needs at least one message")
         text = self.render(messages, tools, template_kwargs, generation_prompt=True)
         context = exact_key([tools, template_kwargs])
-        bounds = [self._first_message_start(messages[0], tools, template_kwargs, context, text)]
+        first = self._first_message_start(messages[0], tools, template_kwargs, context, text)
+        items = [exact_key(message) for message in messages]
+        keys = [context]
+        for item in items:
+            keys.append(chain_key(keys[-1], item))
+        fast = self._window_bounds(messages, items, keys, tools, template_kwargs, text, first)
+        if fast is not None:
+            return Layout(text=text, bounds=fast, drift=[])
+        bounds = [first]
         drift: list[DriftEvent] = []
-        key = context
         for k in range(1, len(messages) + 1):
-            key = chain_key(key, exact_key(messages[k - 1]))
-            end, exact = self._prefix_end(key, messages[:k], tools, template_kwargs, text)
+            end, exact = self._prefix_end(keys[k], messages[:k], tools, template_kwargs, text)
             if not exact or end < bounds[-1]:
                 end = max(bounds[-1], end)
                 drift.append(
@@ -123,6 +138,46 @@ class TemplateLayout:
                 )
             bounds.append(end)
         return Layout(text=text, bounds=bounds, drift=drift)
+
+    def _window_bounds(self, messages, items, keys, tools, template_kwargs, text: str, first: int):
+        """The prefix boundaries from two-message windows (module docstring), or None when a piece does
+        not fit the full text (then the prefix renderings decide)."""
+        end, exact = self._prefix_end(keys[1], messages[:1], tools, template_kwargs, text)
+        if not exact or end < first:
+            return None
+        bounds = [first, end]
+        for k in range(1, len(messages)):
+            pair_key = chain_key(keys[0], f"{items[k - 1]}\x00{items[k]}")
+            piece = self._window_piece(pair_key, messages[k - 1], messages[k], tools, template_kwargs)
+            if piece is None:
+                return None
+            length, digest = piece
+            if hash(text[end : end + length]) != digest:
+                return None
+            end += length
+            bounds.append(end)
+        if len(messages) > 1:  # the pieces must end where the whole conversation's rendering ends
+            whole, exact = self._prefix_end(keys[-1], messages, tools, template_kwargs, text)
+            if not exact or whole != end:
+                return None
+        return bounds
+
+    def _window_piece(self, cache_key: str, previous, message, tools, template_kwargs):
+        """(length, hash) of what ``message`` adds after ``previous``, or None when the rendering of the
+        pair does not start with that of ``previous`` alone. Cached per tracker."""
+        cached = self._window_cache.get(cache_key, _UNSEEN)  # one lookup: another thread may clear it
+        if cached is not _UNSEEN:
+            return cached
+        alone = self._render_or_empty([previous], tools, template_kwargs)
+        pair = self._render_or_empty([previous, message], tools, template_kwargs)
+        piece = None
+        if alone and pair.startswith(alone) and len(pair) > len(alone):
+            added = pair[len(alone) :]
+            piece = (len(added), hash(added))
+        if len(self._window_cache) >= CACHE_LIMIT:
+            self._window_cache.clear()
+        self._window_cache[cache_key] = piece
+        return piece
 
     def _render_or_empty(self, messages, tools, template_kwargs) -> str:
         try:

@@ -1,0 +1,136 @@
+"""What a request must pass before its body is read: the bearer token, then the body size.
+
+A pure ASGI middleware in front of the routes. It checks the ``Authorization`` header of every route that
+needs one with the functions of ``auth`` (the same the routes call again on the full request) and answers
+401/403 without receiving a byte of the body, so an unauthenticated client cannot make the server read,
+buffer or parse anything. An authenticated body is capped at ``serving.max_request_bytes``: a larger
+``Content-Length`` is answered 413 up front, and a body sent without one (chunked) is counted as it streams
+and cut off with 413 once it passes the cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import HTTPException
+
+from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call
+from ajet_hpc.server.errors import error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PUBLIC = frozenset({"/health"})
+MODEL_CALLS = frozenset({"chat/completions", "completions"})
+
+
+class BodyTooLarge(HTTPException):
+    """A streamed body passed the cap (rendered 413 by the app's error handler, or by the gate)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            status_code=413,
+            detail=f"request body is larger than this server's limit of {limit} bytes "
+            "(serving.max_request_bytes)",
+        )
+
+
+def check_credentials(path: str, header: str | None, secret: str, model: str) -> None:
+    """Raise ``AuthError`` unless ``header`` may call ``path``: model calls need an episode token (of the
+    episode the path names), the model list either credential, everything else under ``/v1`` the run
+    secret. Paths outside the API (unknown ones: the router answers 404) are not checked here."""
+    if path in PUBLIC:
+        return
+    episode_id: str | None = None
+    route = None
+    if path.startswith("/episodes/"):
+        _, _, episode_id, version, *rest = path.split("/", 4) + [""] * 2
+        if version != "v1" or not episode_id:
+            return
+        route = rest[0]
+    elif path.startswith("/v1/"):
+        route = path[len("/v1/") :]
+    else:
+        return
+    if route in MODEL_CALLS:
+        authorize_episode_call(secret, header, episode_id, model)
+    elif route == "models":
+        try:
+            authorize_run_call(secret, header)
+        except AuthError:
+            authorize_episode_call(secret, header, episode_id, model)
+    elif episode_id is None:
+        authorize_run_call(secret, header)
+    # other paths under /episodes/<id>/v1/ do not exist: the router answers 404
+
+
+class RequestGate:
+    """ASGI middleware: credentials from the headers, then a capped body (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, ctx: Any) -> None:
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {}
+        for name, value in scope.get("headers", ()):
+            if name in (b"authorization", b"content-length"):
+                headers[name] = value.decode("latin-1")
+        ctx, limit = self.ctx, self.ctx.settings.max_request_bytes
+        try:
+            check_credentials(scope["path"], headers.get(b"authorization"), ctx.secret, ctx.name)
+        except AuthError as exc:
+            kind = "authentication_error" if exc.status_code == 401 else "permission_error"
+            await _answer(scope, receive, send, exc.status_code, str(exc), kind, exc.code)
+            return
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await _answer(scope, receive, send, 400, "malformed Content-Length header", None, None)
+                return
+            if int(declared) > limit:
+                message = (
+                    f"request body of {int(declared)} bytes is larger than this server's limit of {limit} "
+                    "bytes (serving.max_request_bytes)"
+                )
+                await _answer(scope, receive, send, 413, message, None, "request_too_large")
+                return
+        received = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyTooLarge as exc:
+            if started:
+                raise
+            await _answer(scope, receive, send, 413, str(exc.detail), None, "request_too_large")
+
+
+async def _answer(
+    scope: Scope, receive: Receive, send: Send, status: int, message: str, kind: str | None, code: str | None
+) -> None:
+    response = error_body(status, message, kind or "invalid_request_error", None, code)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    response.headers["Connection"] = "close"  # the unread body stays unread: the connection is not reused
+    await response(scope, receive, send)
