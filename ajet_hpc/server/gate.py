@@ -24,7 +24,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PUBLIC = frozenset({"/health"})
+PUBLIC = frozenset({"/health", "/v1/auth/challenge"})  # the challenge: ajet_hpc/server/challenge.py
 MODEL_CALLS = frozenset({"chat/completions", "completions"})
 
 

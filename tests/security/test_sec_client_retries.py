@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from server_harness import SECRET, Harness
+from server_harness import SECRET, Harness, admin_token
 from support import topology_dict
 
 from ajet_hpc.client.api import EpisodeContext
@@ -78,10 +78,17 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     harness = Harness("transformers", resolve_model("builtin:tiny", tmp_path_factory.mktemp("models")))
     running = harness.serve()
     proxy = FailingModelProxy(running.url)
-    running.ctx.public_url = proxy.url  # the base_url handed to agents: their model calls reach the proxy
+    # the URL the server names in its challenge proofs and hands to agents: every caller goes through the
+    # proxy (a client would refuse the server at its own URL, a relay's proof naming another one)
+    running.ctx.public_url = proxy.url
     yield running, proxy
     proxy.close()
     harness.close()
+
+
+def open_episodes(url: str) -> int:
+    reply = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {admin_token(url)}"}, timeout=30)
+    return reply.json()["episodes_open"]
 
 
 def huge_reward(ctx: EpisodeContext) -> float:
@@ -131,7 +138,7 @@ def test_a_5xx_model_call_is_retried_a_bounded_number_of_times_then_the_episode_
     first = proxy.model_calls[:SERVER_ERROR_ATTEMPTS]
     pauses = [b - a for a, b in itertools.pairwise(first)]
     assert all(pause >= 0.2 * 2**k for k, pause in enumerate(pauses)), pauses  # backoff, doubling
-    assert real.status()["episodes_open"] == 0
+    assert open_episodes(proxy.url) == 0
     assert len(closed) == 2 * SERVER_ERROR_ATTEMPTS
     assert all(state == "aborted" and INJECTED in reason and "HTTP 500" in reason for state, reason in closed)
     assert f"aborted: a server answered with an error {SERVER_ERROR_ATTEMPTS} time(s)" in caplog.text
@@ -142,12 +149,12 @@ def test_a_5xx_model_call_is_retried_a_bounded_number_of_times_then_the_episode_
 def test_an_end_the_server_refuses_aborts_the_episode_with_the_servers_message(
     server, tmp_path: Path
 ) -> None:
-    real, _ = server
+    real, proxy = server  # the agent makes no model call: the proxy only forwards
     closed: list[tuple[str, str]] = []
     real.ctx.episodes.on_closed(lambda episode: closed.append((episode.state, episode.reason or "")))
-    run = make_run(tmp_path, real.url, agent="test_sec_client_retries:huge_reward")
+    run = make_run(tmp_path, proxy.url, agent="test_sec_client_retries:huge_reward")
     tally = run_task(run)
     assert tally is not None and (tally.finished, tally.aborted) == (0, 2)
     assert [state for state, _ in closed] == ["aborted", "aborted"]  # not left open for episode_timeout_s
     assert all("reward is 1e+300, beyond this server's limit of ±1e+06" in reason for _, reason in closed)
-    assert real.status()["episodes_open"] == 0
+    assert open_episodes(proxy.url) == 0

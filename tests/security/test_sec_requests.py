@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import SECRET, Harness, RunningServer
+from server_harness import SECRET, Harness, RunningServer, admin_token
 
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.tracking.context import ContextTracker
@@ -61,6 +61,9 @@ def raw_exchange(url: str, head: str, body: bytes = b"", timeout: float = 20) ->
     return int(headers.split(b" ")[1]), rest
 
 
+RUN_TOKEN = "<a run token from the challenge>"  # fetched per test: it names the server's URL
+
+
 def post_head(path: str, length: int, token: str | None = None) -> str:
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     return (
@@ -78,22 +81,27 @@ def post_head(path: str, length: int, token: str | None = None) -> str:
         ("/v1/episodes/ep-x/end", "ep1.forged.token"),
         ("/v1/chat/completions", None),
         ("/episodes/ep-x/v1/chat/completions", "ep1.e30.AAAA"),
-        ("/v1/completions", SECRET),  # the run secret may not call the model: 403, body unread too
+        ("/v1/episodes", SECRET),  # the raw run secret is never accepted over HTTP
+        ("/v1/completions", RUN_TOKEN),  # a run token may not call the model: 403, body unread too
     ],
 )
 def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(
     server: RunningServer, path: str, token: str | None
 ) -> None:
     # 256 MiB announced, one byte sent: a server that read the body first would wait for the rest
+    if token == RUN_TOKEN:
+        token = admin_token(server.url)
     status, body = raw_exchange(server.url, post_head(path, 256 * 2**20, token), b"{")
-    assert status == (403 if token == SECRET else 401), body
+    assert status == (403 if token and token.startswith("run1.") else 401), body
     assert json.loads(body)["error"]["type"] in ("authentication_error", "permission_error")
 
 
 def test_an_authenticated_body_above_the_cap_is_refused_with_413_before_it_is_read(
     server: RunningServer,
 ) -> None:
-    status, body = raw_exchange(server.url, post_head("/v1/episodes", 256 * 2**20, SECRET), b"{")
+    status, body = raw_exchange(
+        server.url, post_head("/v1/episodes", 256 * 2**20, admin_token(server.url)), b"{"
+    )
     assert status == 413
     error = json.loads(body)["error"]
     assert "serving.max_request_bytes" in error["message"] and error["code"] == "request_too_large"
