@@ -47,10 +47,16 @@ from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage import task_ends
-from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, read_results
+from ajet_hpc.storage.client_store import ClientStore, CommitFailed, Result, StoreCorrupt, read_results
+from ajet_hpc.storage.h5_layout import StoreError
+from ajet_hpc.storage.lease import LeaseLost
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+EXIT_STORE_FAILED = 5
+"""The runner stopped because its store could not record a result (disk full, quota, lease taken over): it
+runs no episode it cannot record; a restart or requeue of the task resumes from the store's last commit."""
 
 
 def pick_group(topology: Topology, name: str) -> ClientGroupConfig:
@@ -84,6 +90,7 @@ class GroupTask:
     """The episodes of one array task of a client group."""
 
     gone: ServerGone | None = None  # a server failed or stayed away too long: the task stops
+    store_failed: StoreError | CommitFailed | None = None  # a commit failed: the task stops
 
     def __init__(self, run: RunDir, group: ClientGroupConfig, index: int, repeats: int) -> None:
         self.rundir, self.group, self.index, self.repeats = run, group, index, repeats
@@ -160,8 +167,12 @@ class GroupTask:
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
             for task in tasks:
                 for repeat in range(self.repeats):
-                    if (task.id, repeat) in done or self.commit_recorded(task, repeat):
-                        continue
+                    try:
+                        if (task.id, repeat) in done or self.commit_recorded(task, repeat):
+                            continue
+                    except (CommitFailed, LeaseLost) as exc:
+                        self.stop_on_store_failure(exc)
+                        break
                     slots.acquire()
                     if self.finished.is_set():
                         slots.release()
@@ -185,6 +196,9 @@ class GroupTask:
                         return
                 retry = True
                 self._attempt(task, repeat)
+                return
+            except (CommitFailed, LeaseLost) as exc:
+                self.stop_on_store_failure(exc)
                 return
             except KeyEnded as exc:
                 self.refresh_ended()
@@ -212,6 +226,13 @@ class GroupTask:
             except Exception:
                 log.exception("task %s repeat %d failed", task.id, repeat)
                 return
+
+    def stop_on_store_failure(self, exc: CommitFailed | LeaseLost) -> None:
+        """A result could not be committed: begin no new episode (none could be recorded)."""
+        if self.store_failed is None:
+            self.store_failed = exc
+            log.error("client %s[%d]: %s; running no more episodes", self.group.name, self.index, exc)
+        self.finished.set()
 
     def refresh_ended(self) -> None:
         """Ask every server of the group which of the group's keys it ended (waiting for absent ones)."""
@@ -370,7 +391,8 @@ def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, in
     """The (task, repeat) pairs committed in the group's stores other than ``mine``: every index, also the
     indices of an earlier, larger array, whose sharding differed (a hot swap can change the size)."""
     folder = run.client_store_dir(group)
-    paths = {Path(str(p).removesuffix(".journal")) for p in folder.glob("*.h5*")} - {mine}
+    stores = [*folder.glob("*.h5"), *folder.glob("*.h5.journal")]  # not the stores' .lease files
+    paths = {Path(str(p).removesuffix(".journal")) for p in stores} - {mine}
     found: set[tuple[str, int]] = set()
     for path in sorted(paths):
         try:
@@ -421,6 +443,16 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
     finally:
         restore_handler()
         worker.store.close()
+    if worker.store_failed is not None:
+        log.error(
+            "client %s[%d] stops (exit %d): its store could not record a result: %s. Free space (or stop the "
+            "other writer); a restart or requeue resumes from the last commit",
+            group.name,
+            index,
+            EXIT_STORE_FAILED,
+            worker.store_failed,
+        )
+        return EXIT_STORE_FAILED
     if worker.gone is not None:
         log.error("client %s[%d] stops: %s", group.name, index, worker.gone)
         return EXIT_SERVER_GONE

@@ -6,6 +6,8 @@ removed in the fixture's ``finally``). A ballast file fills it, removing the bal
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from ajet_hpc.storage.client_store import ClientStore, Result, read_results
 from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter, StoreError
 from ajet_hpc.storage.h5_layout import lookup3, read_superblock
+from ajet_hpc.storage.lease import LeaseTiming
 from ajet_hpc.tracking.timeline import MODEL, USER, Timeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +115,8 @@ def test_a_writer_that_dies_at_its_file_size_limit_leaves_every_commit_readable(
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         from test_sec_stores import make_record
-        from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
+        from ajet_hpc.storage.client_store import ClientStore, Result, read_results
+from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
         writer = EpisodeWriter(Path({str(path)!r}), chunk_tokens=1024)
         for i in range(3):
             writer.append_episode(make_record(i))
@@ -163,3 +168,59 @@ def test_a_store_cut_short_by_a_failed_append_is_read_and_repaired(tmp_path: Pat
     with EpisodeWriter(path) as writer:  # the writer pads it to its end and goes back to the last commit
         writer.append_episode(make_record(20))
     assert _ids(path) == [f"ep-{i}" for i in range(21)]
+
+
+# ------------------------------------------------------------------------------ one writer per client store
+def _hold_client_store(path: Path, heartbeat_s: float) -> subprocess.Popen[str]:
+    """A second process that opens client store ``path`` (lease heartbeat ``heartbeat_s``) and commits one
+    result per line it reads on stdin, printing "ok" or the error."""
+    child = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from ajet_hpc.storage.client_store import ClientStore, Result
+        from ajet_hpc.storage.lease import LeaseTiming
+        timing = LeaseTiming(heartbeat_s={heartbeat_s}, timeout_s={3 * heartbeat_s}, settle_s=0.1)
+        store = ClientStore.open(Path({str(path)!r}), group="math", index=0, lease_timing=timing)
+        print("open", flush=True)
+        for line in sys.stdin:
+            try:
+                store.commit(Result(line.strip(), 0, 1.0, {{}}, {{}}, None, {{}}, 0.0))
+                print("ok", flush=True)
+            except Exception as exc:
+                print(type(exc).__name__, exc, flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", child], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+    return holder
+
+
+def test_a_client_store_has_one_writer_across_processes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "clients" / "math" / "0.h5"
+    holder = _hold_client_store(path, heartbeat_s=0.5)
+    try:
+        with pytest.raises(
+            StoreError, match=rf"another process writes this store \(host .*, pid {holder.pid}"
+        ):
+            ClientStore.open(path, group="math", index=0, lease_wait_s=0)
+        holder.send_signal(signal.SIGSTOP)  # its heartbeat stops (a frozen node, a lost mount)
+        timing = LeaseTiming(heartbeat_s=0.5, timeout_s=1.5, settle_s=0.1)
+        with ClientStore.open(path, group="math", index=0, lease_timing=timing) as store:  # waits, takes over
+            assert (
+                f"taking over the writer lease of host {socket.gethostname()}, pid {holder.pid}"
+                in caplog.text
+            )
+            holder.send_signal(signal.SIGCONT)
+            assert holder.stdin is not None and holder.stdout is not None
+            holder.stdin.write("late\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline().startswith("LeaseLost")  # the old writer writes nothing more
+            store.commit(Result("mine", 0, 1.0, {}, {}, None, {}, 0.0))
+        assert [r.task_id for r in read_results(path)] == ["mine"]
+    finally:
+        holder.kill()
+        holder.wait()
