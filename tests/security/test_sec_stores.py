@@ -115,8 +115,7 @@ def test_a_writer_that_dies_at_its_file_size_limit_leaves_every_commit_readable(
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         from test_sec_stores import make_record
-        from ajet_hpc.storage.client_store import ClientStore, Result, read_results
-from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
+        from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
         writer = EpisodeWriter(Path({str(path)!r}), chunk_tokens=1024)
         for i in range(3):
             writer.append_episode(make_record(i))
