@@ -54,7 +54,9 @@ from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage import task_ends
-from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, read_results
+from ajet_hpc.storage.client_store import ClientStore, CommitFailed, Result, StoreCorrupt, read_results
+from ajet_hpc.storage.h5_layout import StoreError
+from ajet_hpc.storage.lease import LeaseLost
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,9 @@ SERVER_ERROR_ATTEMPTS = 4
 """Runs of an episode that a server answers with a 5xx before its task and repeat are given up."""
 SERVER_ERROR_BACKOFF_S = 2.0
 """Pause before the second run after a 5xx; doubled before each next one (2, 4, 8 s by default)."""
+EXIT_STORE_FAILED = 5
+"""The runner stopped because its store could not record a result (disk full, quota, lease taken over): it
+runs no episode it cannot record; a restart or requeue of the task resumes from the store's last commit."""
 
 
 def pick_group(topology: Topology, name: str) -> ClientGroupConfig:
@@ -98,6 +103,7 @@ class GroupTask:
     gone: ServerGone | None = None  # a server failed or stayed away too long: the task stops
     server_error_attempts = SERVER_ERROR_ATTEMPTS
     server_error_backoff_s = SERVER_ERROR_BACKOFF_S
+    store_failed: StoreError | CommitFailed | None = None  # a commit failed: the task stops
 
     def __init__(self, run: RunDir, group: ClientGroupConfig, index: int, repeats: int) -> None:
         self.rundir, self.group, self.index, self.repeats = run, group, index, repeats
@@ -174,8 +180,12 @@ class GroupTask:
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
             for task in tasks:
                 for repeat in range(self.repeats):
-                    if (task.id, repeat) in done or self.commit_recorded(task, repeat):
-                        continue
+                    try:
+                        if (task.id, repeat) in done or self.commit_recorded(task, repeat):
+                            continue
+                    except (CommitFailed, LeaseLost) as exc:
+                        self.stop_on_store_failure(exc)
+                        break
                     slots.acquire()
                     if self.finished.is_set():
                         slots.release()
@@ -199,6 +209,9 @@ class GroupTask:
                         return
                 retry = True
                 self._attempt(task, repeat)
+                return
+            except (CommitFailed, LeaseLost) as exc:
+                self.stop_on_store_failure(exc)
                 return
             except KeyEnded as exc:
                 self.refresh_ended()
@@ -251,6 +264,13 @@ class GroupTask:
             except Exception:
                 log.exception("task %s repeat %d failed", task.id, repeat)
                 return
+
+    def stop_on_store_failure(self, exc: CommitFailed | LeaseLost) -> None:
+        """A result could not be committed: begin no new episode (none could be recorded)."""
+        if self.store_failed is None:
+            self.store_failed = exc
+            log.error("client %s[%d]: %s; running no more episodes", self.group.name, self.index, exc)
+        self.finished.set()
 
     def refresh_ended(self) -> None:
         """Ask every server of the group which of the group's keys it ended (waiting for absent ones)."""
@@ -426,7 +446,8 @@ def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, in
     """The (task, repeat) pairs committed in the group's stores other than ``mine``: every index, also the
     indices of an earlier, larger array, whose sharding differed (a hot swap can change the size)."""
     folder = run.client_store_dir(group)
-    paths = {Path(str(p).removesuffix(".journal")) for p in folder.glob("*.h5*")} - {mine}
+    stores = [*folder.glob("*.h5"), *folder.glob("*.h5.journal")]  # not the stores' .lease files
+    paths = {Path(str(p).removesuffix(".journal")) for p in stores} - {mine}
     found: set[tuple[str, int]] = set()
     for path in sorted(paths):
         try:
@@ -477,6 +498,16 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
     finally:
         restore_handler()
         worker.store.close()
+    if worker.store_failed is not None:
+        log.error(
+            "client %s[%d] stops (exit %d): its store could not record a result: %s. Free space (or stop the "
+            "other writer); a restart or requeue resumes from the last commit",
+            group.name,
+            index,
+            EXIT_STORE_FAILED,
+            worker.store_failed,
+        )
+        return EXIT_STORE_FAILED
     if worker.gone is not None:
         log.error("client %s[%d] stops: %s", group.name, index, worker.gone)
         return EXIT_SERVER_GONE

@@ -80,7 +80,11 @@ class GracefulServer(uvicorn.Server):
 
 class _Heartbeat(threading.Thread):
     """Publishes the rendezvous once uvicorn accepts connections, then refreshes it with the server's state
-    and policy version."""
+    and policy version. A write that fails (disk full, ESTALE on NFS, any error) is logged and retried
+    every ``RETRY_S``; the thread never dies of it (a server without a heartbeat looks dead to clients)."""
+
+    RETRY_S = 1.0
+    LOG_EVERY_S = 60.0  # while writes keep failing, one warning per this many seconds
 
     def __init__(
         self, path, record: rendezvous.Rendezvous, server: uvicorn.Server, ctx: ServerContext
@@ -89,6 +93,8 @@ class _Heartbeat(threading.Thread):
         self.path, self.record, self.server, self.ctx = path, record, server, ctx
         self.stopped = threading.Event()
         self.published = False
+        self.failing_since: float | None = None  # monotonic time of the first of the failures in a row
+        self._logged_at = 0.0
 
     def beat(self) -> None:
         current = dataclasses.replace(
@@ -101,15 +107,60 @@ class _Heartbeat(threading.Thread):
         )
         self.record = rendezvous.publish(self.path, current)
 
+    def try_beat(self) -> bool:
+        """``beat``, logging a failure instead of raising it; True if the rendezvous was written."""
+        try:
+            self.beat()
+        except Exception as exc:
+            now = time.monotonic()
+            if self.failing_since is None:
+                self.failing_since = now
+            if now - self._logged_at >= self.LOG_EVERY_S:
+                self._logged_at = now
+                log.warning(
+                    "cannot write the rendezvous %s (%s: %s), failing for %.0f s; retrying every %g s "
+                    "(clients call a server stale after %g s without a heartbeat)",
+                    self.path,
+                    type(exc).__name__,
+                    exc,
+                    now - self.failing_since,
+                    self.RETRY_S,
+                    rendezvous.STALE_AFTER_S,
+                )
+            return False
+        if self.failing_since is not None:
+            log.warning(
+                "rendezvous %s written again after %.0f s of failures",
+                self.path,
+                time.monotonic() - self.failing_since,
+            )
+            self.failing_since, self._logged_at = None, 0.0
+        return True
+
     def run(self) -> None:
         while not self.server.started and not self.stopped.is_set():
             time.sleep(0.05)
         while not self.stopped.is_set():
-            self.beat()
-            if not self.published:
-                self.published = True
-                log.info("ready at %s (rendezvous %s)", self.record.url, self.path)
-            self.stopped.wait(rendezvous.HEARTBEAT_S)
+            try:
+                ok = self.try_beat()
+                if ok and not self.published:
+                    self.published = True
+                    log.info("ready at %s (rendezvous %s)", self.record.url, self.path)
+            except Exception:  # never seen; the thread must outlive anything
+                log.exception("rendezvous heartbeat: unexpected error; going on")
+                ok = False
+            self.stopped.wait(rendezvous.HEARTBEAT_S if ok else min(self.RETRY_S, rendezvous.HEARTBEAT_S))
+
+    def final_beat(self, tries: int = 5) -> None:
+        """The last write (final state, after ``stop``): retried a few times, then given up, logged."""
+        for attempt in range(tries):
+            if self.try_beat():
+                return
+            if attempt < tries - 1:
+                time.sleep(self.RETRY_S)
+        log.error(
+            "could not write the final state to the rendezvous %s; clients will see it go stale", self.path
+        )
 
     def stop(self) -> None:
         self.stopped.set()
@@ -286,8 +337,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             for name in partners
         )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
-    ctx.on_finished = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server))
-    ctx.on_failed = lambda: (heartbeat.beat(), _stop_when_idle(ctx, server, grace_s=5.0))
+    ctx.on_finished = lambda: (heartbeat.try_beat(), _stop_when_idle(ctx, server))
+    ctx.on_failed = lambda: (heartbeat.try_beat(), _stop_when_idle(ctx, server, grace_s=5.0))
     heartbeat.start()
     # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
     cluster = topology.cluster
@@ -315,7 +366,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         unregister()
         heartbeat.stop()
         if ctx.failed or ctx.training_done:  # left in place, state final: clients stop instead of waiting
-            heartbeat.beat()
+            heartbeat.final_beat()
             if ctx.failed:
                 log.error("server %s failed: %s", config.name, ctx.reason)
             else:

@@ -30,8 +30,14 @@ end before ``k`` (or the journal is missing) *and* the HDF5 file cannot be read.
 explain (a bad record with whole records after it, a file that is not a journal, a group/index mismatch) also
 raises ``StoreCorrupt`` rather than dropping results silently.
 
-HDF5 files are opened with ``locking=False``: shared file systems without locks (NFS) fail otherwise, and each
-store has a single writer by construction.
+HDF5 files are opened with ``locking=False``: shared file systems without locks (NFS) fail otherwise. One
+writer per store, across hosts: ``open`` takes the store's writer lease (``<index>.h5.lease``, the server
+store's :mod:`ajet_hpc.storage.lease`: link-based, no POSIX locks) before it reads or rewrites anything, and
+``commit`` confirms it; a second runner of the same task, from any host, is refused with the live holder's
+name, and a lease whose heartbeat stopped is taken over (logged).
+
+A commit that fails (disk full, quota, I/O error) leaves the store at its last commit and raises
+:class:`CommitFailed`; so does every later commit: the runner must stop (and a requeue resume from the store).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ import h5py
 import numpy as np
 
 from ajet_hpc.storage.atomic import write_bytes_atomic
+from ajet_hpc.storage.h5_layout import StoreError
+from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,11 @@ _WRITING = "writer_open"
 
 class StoreCorrupt(Exception):
     """A client store that cannot be used as it is; the message names the file and what is wrong."""
+
+
+class CommitFailed(RuntimeError):
+    """A commit could not be made durable (disk full, quota, I/O error); the store takes no more commits.
+    Everything committed before is intact; reopening the store (a restart, a requeue) resumes from it."""
 
 
 @dataclass(frozen=True)
@@ -435,6 +448,20 @@ def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> No
     _fsync_dir(path.parent)
 
 
+VIEW_MIN_FREE = 1 << 20
+"""Below this much free space, the HDF5 view is closed rather than written: an HDF5 write that fails on a
+full disk can leave the library unable to close the file (a crash, with HDF5 2.0)."""
+_ABANDONED: list[h5py.File] = []  # HDF5 views let go of after a failed write (see ``_Hdf5View.let_go``)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class _Hdf5View:
     """The open HDF5 file of a store: rows appended, counter last, flushed."""
 
@@ -455,17 +482,65 @@ class _Hdf5View:
         self.rows += 1
 
     def close(self) -> None:
-        self.handle.attrs[_WRITING] = 0
-        self.handle.flush()
-        os.fsync(self.handle.id.get_vfd_handle())
-        self.handle.close()
+        fd = self.handle.id.get_vfd_handle()
+        try:
+            self.handle.attrs[_WRITING] = 0
+            self.handle.flush()
+            os.fsync(fd)
+            self.handle.close()
+        except Exception:
+            self.let_go(fd)
+            raise
+
+    def let_go(self, fd: int | None = None) -> None:
+        """Drop the view after a failed write (disk full) without writing to the file again. HDF5 cannot
+        close a file whose metadata flush failed (its close crashes the process: seen with HDF5 2.0), so
+        the handle is kept, never used again, its descriptor pointed at a scratch file. The file keeps
+        ``writer_open`` 1, so the next open rebuilds it from the journal."""
+        if fd is None:
+            fd = self.handle.id.get_vfd_handle()
+        with tempfile.TemporaryFile() as scratch:
+            os.dup2(scratch.fileno(), fd)
+        _ABANDONED.append(self.handle)
+
+
+class _LeaseWatch:
+    """Receives the heartbeat thread's news that the lease was taken over (``commit`` checks it anyway)."""
+
+    def lost(self) -> None:
+        log.error("a client store's writer lease was taken over: its commits are refused from now on")
+
+
+def _take_lease(path: Path, timing: LeaseTiming, wait_s: float) -> HeldLease:
+    """The writer lease of client store ``path``, waiting up to ``wait_s`` for a live holder to let go."""
+    watch = _LeaseWatch()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lease = acquire_lease(path, timing, watch.lost)
+        except StoreError as exc:
+            if "another process writes this store" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            log.info("%s: waiting for its writer lease (%s)", path, exc)
+            time.sleep(min(timing.heartbeat_s, max(0.05, deadline - time.monotonic())))
+            continue
+        lease.watch = watch  # type: ignore[attr-defined]  # the callback holds it weakly
+        return lease
 
 
 class ClientStore:
     """The results of one client array task. Open with ``ClientStore.open``; safe to use from many threads."""
 
-    def __init__(self, path: Path, header: dict[str, Any], results: list[Result], hdf5: _Hdf5View) -> None:
+    def __init__(
+        self,
+        path: Path,
+        header: dict[str, Any],
+        results: list[Result],
+        hdf5: _Hdf5View,
+        lease: HeldLease | None = None,
+    ) -> None:
         self.path = path
+        self._lease = lease
         self.journal_path = journal_path(path)
         self.group: str = header["group"]
         self.index: int = header["index"]
@@ -479,10 +554,34 @@ class ClientStore:
         self._closed = False
 
     @classmethod
-    def open(cls, path: Path, *, group: str, index: int) -> ClientStore:
-        """Create the store at ``path``, or reopen it: recover to the last commit, drop anything past it."""
+    def open(
+        cls,
+        path: Path,
+        *,
+        group: str,
+        index: int,
+        lease_timing: LeaseTiming | None = None,
+        lease_wait_s: float | None = None,
+    ) -> ClientStore:
+        """Create the store at ``path``, or reopen it: recover to the last commit, drop anything past it.
+
+        Takes the store's writer lease first. Held by a live writer, the lease is waited for up to
+        ``lease_wait_s`` (default: the lease timeout and a heartbeat: a writer that died on another node
+        goes stale by then); after that :class:`~ajet_hpc.storage.h5_layout.StoreError` names the holder."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        timing = lease_timing or LeaseTiming()
+        lease = _take_lease(
+            path, timing, timing.timeout_s + timing.heartbeat_s if lease_wait_s is None else lease_wait_s
+        )
+        try:
+            return cls._open_leased(path, group, index, lease)
+        except BaseException:
+            lease.release()
+            raise
+
+    @classmethod
+    def _open_leased(cls, path: Path, group: str, index: int, lease: HeldLease) -> ClientStore:
         recovered = _recover(path)
         if recovered is None:
             header = {"format": FORMAT, "group": group, "index": int(index), "created_at": time.time()}
@@ -501,7 +600,7 @@ class ClientStore:
             _build_hdf5(path, header, results)
         hdf5 = _Hdf5View(path)
         try:
-            store = cls(path, header, results, hdf5)
+            store = cls(path, header, results, hdf5, lease)
         except BaseException:
             hdf5.handle.close()
             raise
@@ -526,12 +625,21 @@ class ClientStore:
             if self._closed:
                 raise ValueError(f"{self.path}: the store is closed")
             if self._failed is not None:
-                raise RuntimeError(
-                    f"{self.path}: an earlier commit failed ({self._failed}); reopen the store to recover"
+                raise CommitFailed(
+                    f"{self.path}: an earlier commit failed ({self._failed}); it takes no more commits: "
+                    "reopen the store to recover (a restart or requeue of the task resumes from it)"
                 )
             if stored.key in self._results:
                 raise ValueError(f"{self.path}: {stored.key} is already committed")
-            self._append_journal(frame)
+            if self._lease is not None:
+                self._lease.confirm()  # LeaseLost: another runner owns the store now
+            try:
+                self._append_journal(frame)
+            except OSError as exc:
+                raise CommitFailed(
+                    f"{self.path}: committing {stored.key} failed ({exc}); every earlier result is "
+                    "committed, this one is not: free space, then resume from the store"
+                ) from exc
             self._results[stored.key] = stored
             self._append_hdf5(stored)
 
@@ -555,12 +663,26 @@ class ClientStore:
         """The journal already holds the result; a failure here leaves the view to be rebuilt."""
         if self._hdf5 is None:
             return
+        free = _free_bytes(self.path.parent)
+        if free is not None and free < VIEW_MIN_FREE:
+            log.error(
+                "%s: %d bytes free on its file system: the HDF5 view stops here (the journal goes on; the "
+                "view is rebuilt from it on close or the next open)",
+                self.path,
+                free,
+            )
+            try:
+                self._hdf5.close()
+            except Exception:
+                log.exception("%s: closing the HDF5 view failed", self.path)
+            self._hdf5 = None
+            return
         try:
             self._hdf5.append(result)
         except Exception:
             log.exception("%s: HDF5 view fell behind; it is rebuilt from the journal on close", self.path)
             with contextlib.suppress(Exception):
-                self._hdf5.handle.close()
+                self._hdf5.let_go()
             self._hdf5 = None
 
     def close(self) -> None:
@@ -569,15 +691,18 @@ class ClientStore:
                 return
             self._closed = True
             try:
+                free = _free_bytes(self.path.parent)
                 if self._hdf5 is not None:
                     self._hdf5.close()
-                elif self._failed is None:
+                elif self._failed is None and (free is None or free >= VIEW_MIN_FREE):
                     _build_hdf5(self.path, self._header, list(self._results.values()))
             except Exception:
                 log.exception("%s: HDF5 view not brought up to date; the next open rebuilds it", self.path)
             finally:
                 self._hdf5 = None
                 os.close(self._journal_fd)
+                if self._lease is not None:
+                    self._lease.release()
 
     def __enter__(self) -> ClientStore:
         return self

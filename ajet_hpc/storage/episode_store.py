@@ -38,6 +38,7 @@ from ajet_hpc.storage.h5_layout import (
     StoreError,
     check_not_truncated,
     clear_stale_write_flags,
+    clear_write_flags,
     commit_check,
     create_file,
     encode_episode,
@@ -46,6 +47,7 @@ from ajet_hpc.storage.h5_layout import (
     open_file,
     open_for_read,
     open_uncached,
+    repair_truncated,
     write_at,
     writer_identity,
 )
@@ -118,8 +120,11 @@ class EpisodeWriter:
 
     Takes the store's writer lease first (:class:`StoreError` naming the live writer if another process
     holds it) and keeps it while open. Thread-safe (one lock). Each append is committed when it returns; a
-    failed append leaves nothing behind (the writer reopens the file at the last commit) and raises
-    :class:`StoreError`. A writer whose lease was taken over closes itself without touching the file again.
+    failed append (disk full, quota, file size limit, I/O error) commits nothing and raises
+    :class:`StoreError`: the writer lets go of the file without writing to it again, and the next append
+    reopens it at the last commit (repairing a file the failure cut short), so once space is back, appends
+    work again; until then each append fails with the reason. A writer whose lease was taken over closes
+    itself without touching the file again.
     """
 
     def __init__(
@@ -128,6 +133,8 @@ class EpisodeWriter:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._file: h5py.File | None = None
+        self._closed = False  # close() was called, or the lease was taken over
+        self._failure: str | None = None  # why the file is let go of, after a failed append
         key = os.path.realpath(self.path)
         with _OPEN_WRITERS_LOCK:
             if key in _OPEN_WRITERS:
@@ -157,18 +164,21 @@ class EpisodeWriter:
 
     @property
     def closed(self) -> bool:
-        """True after ``close``, and once the lease was taken over (or a reopen after a failure failed)."""
-        return self._file is None
+        """True after ``close``, and once the lease was taken over (not after a failed append: the next
+        append reopens the store)."""
+        return self._closed
 
     def _open(self) -> None:
+        repair_truncated(self.path)
         check_not_truncated(self.path)
         old = self._lease.taken_from
         clear_stale_write_flags(self.path, old.pid if old is not None else None)
         f = open_file(self.path, write=True)
+        fd = f.id.get_vfd_handle()
         try:
             f.attrs["writer"] = writer_identity()
             f.swmr_mode = True  # from here on, every state of the file on disk is readable
-            self._fd = f.id.get_vfd_handle()
+            self._fd = fd
             self._commit = open_uncached(f, "commit")
             self._sealed = open_uncached(f, "sealed")
             self._data = {name: f[name] for name in (*ROWS, *OFFSETS)}
@@ -180,9 +190,20 @@ class EpisodeWriter:
             self._counts = _read_commit(self._commit, self.path)
             self._recover(f)
         except BaseException:
-            f.close()
+            self._let_go(f, fd)
             raise
         self._file = f
+        self._failure = None
+
+    def _let_go(self, f: h5py.File, fd: int) -> None:
+        """Close ``f`` after a failed write without writing to the store again (what HDF5 still had to
+        write goes to a scratch file), and mark the store closed in its superblock: readers can open it,
+        and a reopen goes back to the last commit."""
+        close_detached(f.close, fd)
+        try:
+            clear_write_flags(self.path)
+        except (OSError, StoreError) as exc:
+            log.warning("%s: could not mark the store closed after a failed write: %s", self.path, exc)
 
     def _recover(self, f: h5py.File) -> None:
         """Check the committed state and shrink every dataset back to it."""
@@ -238,7 +259,7 @@ class EpisodeWriter:
 
     def _append(self, encoded: Append, what: str) -> None:
         with self._lock:
-            if self._file is None:
+            if self._closed:
                 lost = self._lease.lost
                 raise LeaseLost(lost) if lost else StoreError(f"{self.path}: the writer is closed")
             try:
@@ -246,13 +267,32 @@ class EpisodeWriter:
             except LeaseLost:
                 self._detach()
                 raise
+            if self._file is None:
+                self._reopen(what)
+            assert self._file is not None
             try:
                 self._write(self._file, encoded)
             except Exception as exc:
-                self._reopen_after(exc)
+                self._failure = f"{type(exc).__name__}: {exc}"
+                log.error("%s: writing %s failed (%s); letting go of the file", self.path, what, exc)
+                self._let_go(self._file, self._fd)
+                self._file = None
                 raise StoreError(
-                    f"{self.path}: writing {what} failed, nothing of it was committed: {exc}"
+                    f"{self.path}: writing {what} failed, nothing of it was committed ({exc}); every earlier "
+                    "append is intact. If the disk or quota is full, free space: the next append reopens "
+                    "the store at its last commit"
                 ) from exc
+
+    def _reopen(self, what: str) -> None:
+        """Reopen at the last commit after a failed append; StoreError (with both reasons) if it fails."""
+        try:
+            self._open()
+        except Exception as exc:
+            raise StoreError(
+                f"{self.path}: {what} was not written: the store could not be reopened after a failed append "
+                f"({self._failure}): {exc}. Nothing committed is lost; the next append tries again"
+            ) from exc
+        log.warning("%s: reopened at its last commit after a failed append; appending again", self.path)
 
     def _write(self, f: h5py.File, encoded: Append) -> None:
         old = self._counts
@@ -279,18 +319,6 @@ class EpisodeWriter:
         f.flush()
         self._counts = new
 
-    def _reopen_after(self, exc: Exception) -> None:
-        log.error("%s: an append failed (%s); reopening at the last commit", self.path, exc)
-        try:
-            assert self._file is not None
-            self._file.close()
-            self._file = None
-            self._lease.confirm()
-            self._open()
-        except Exception:
-            self._file = None
-            log.exception("%s: could not reopen the store; the writer is closed", self.path)
-
     def _on_lease_lost(self) -> None:
         """Called by the heartbeat thread when another process took the lease over."""
         with self._lock:
@@ -298,6 +326,7 @@ class EpisodeWriter:
 
     def _detach(self) -> None:
         """Close the file without writing to it (the new writer owns it now). Called with the lock held."""
+        self._closed = True
         if self._file is None:
             return
         log.error("%s: the writer lease was taken over; closing this writer without writing", self.path)
@@ -307,15 +336,22 @@ class EpisodeWriter:
     def close(self) -> None:
         """Commit nothing new, close the file, release the lease (a writer that lost it only lets go)."""
         with self._lock:
+            self._closed = True
             if self._file is not None:
                 try:
                     self._lease.confirm(force=True)
                 except StoreError:
                     self._detach()
                 else:
-                    self._file.flush()
-                    os.fsync(self._fd)
-                    self._file.close()
+                    try:
+                        self._file.flush()
+                        os.fsync(self._fd)
+                        self._file.close()
+                    except Exception as exc:  # disk full at the very end: the commits are on disk
+                        log.error(
+                            "%s: closing the store failed (%s); it stays at its last commit", self.path, exc
+                        )
+                        self._let_go(self._file, self._fd)
                     self._file = None
         self._lease.release()
         self._release()

@@ -19,12 +19,14 @@ kinds of dataset:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import socket
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,16 +208,125 @@ def check_layout(handle: h5py.File, path: Path) -> None:
 
 
 def open_for_read(path: Path, wait_s: float = 3.0) -> h5py.File:
-    """Open for SWMR reading; while a writer is switching the file to SWMR (at its start), wait for it."""
-    check_not_truncated(path)
+    """Open for SWMR reading; while a writer is switching the file to SWMR (at its start), wait for it.
+
+    A file left as a writer failed (disk full: shorter than its superblock says; or still marked open for
+    writing without SWMR, by a writer that died) is read through a :class:`RepairedView` instead: what is
+    committed in it is intact, the reader sees exactly that (and nothing appended later)."""
+    try:
+        check_not_truncated(path)
+    except StoreError as exc:
+        if "truncated" not in str(exc):
+            raise
+        return _open_repaired(path, str(exc))
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return open_file(path, write=False)
         except StoreError as exc:
-            if "already open for write" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            text = str(exc)
+            if "already open for write" in text and time.monotonic() <= deadline:
+                time.sleep(0.05)
+                continue
+            if "already open for write" in text or "not already open for SWMR writing" in text:
+                return _open_repaired(path, text)
+            raise
+
+
+def _open_repaired(path: Path, why: str) -> h5py.File:
+    log.warning("%s: %s; reading its committed part through a repaired read-only view", path, why)
+    view = RepairedView(path)
+    try:
+        handle = h5py.File(view, "r", libver="latest", locking=False)
+    except OSError as exc:
+        view.close()
+        raise StoreError(f"{path}: cannot read the store even through a repaired view: {exc}") from exc
+    weakref.finalize(handle, view.close)
+    try:
+        check_layout(handle, path)
+        _check_committed_on_disk(handle, path, view.real_size)
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        handle.close()
+        raise StoreError(f"{path}: truncated inside its committed part; the file is damaged ({exc})") from exc
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _check_committed_on_disk(handle: h5py.File, path: Path, real_size: int) -> None:
+    """Refuse a file cut inside its committed part (not by a failed append: by a copy or a lost write):
+    every chunk that holds committed data must lie before the file's real end."""
+    raw = handle["commit"][:]
+    if int(raw[-1]) != commit_check(raw[:-1]):
+        raise StoreError(f"{path}: the commit counter does not check out; the file is damaged")
+    count = dict(zip(SPACES, raw[:-1].tolist(), strict=True))
+    sealed = dict(zip(SPACES, handle["sealed"][:].tolist(), strict=True))
+    need = {"commit": len(SPACES) + 1, "sealed": len(SPACES)}
+    need |= {name: count[name] for name in ROWS}
+    need |= {name: count[rows] + 1 for name, (rows, _) in OFFSETS.items()}
+    chunk_tokens = int(handle.attrs["chunk_tokens"])
+    for name, (_, space) in SEALED.items():
+        need[name] = sealed[space] * chunk_tokens
+        need[f"{TAIL}/{name}"] = 2 * chunk_tokens
+    for name, n in need.items():
+        dsid = handle[name].id
+        chunk = dsid.get_create_plist().get_chunk()[0]
+        for k in range(math.ceil(n / chunk)):
+            info = dsid.get_chunk_info_by_coord((k * chunk,))
+            if info.byte_offset is None or info.byte_offset + info.size > real_size:
+                raise StoreError(
+                    f"{path}: committed data of {name} lies past the file's end ({real_size} bytes); "
+                    "the file was cut inside its committed part and is damaged"
+                )
+
+
+class RepairedView(io.RawIOBase):
+    """A read-only view of a store as its writer's reopen would repair it, for readers that must not
+    change the file: write flags cleared in the superblock (a fresh checksum), and the file padded with
+    zeros up to the end its superblock names (the part a failed append did not write; nothing committed
+    lies there: a commit is written only after its data is fsynced)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._handle = open(path, "rb")  # noqa: SIM115 -- closed with the view (h5py closes the view)
+        block = read_superblock(path)
+        self.real_size = self._size = os.fstat(self._handle.fileno()).st_size
+        self._head = b""
+        if block is not None:
+            self._size = max(self._size, block.eof)
+            fixed = block.head[:11] + b"\x00" + block.head[12:]
+            self._head = fixed + lookup3(fixed).to_bytes(4, "little")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._size - self._pos))
+        self._handle.seek(self._pos)
+        got = self._handle.readinto(view[:n]) or 0
+        view[got:n] = bytes(n - got)  # past the real end: zeros
+        head = self._head[self._pos : self._pos + n] if self._pos < len(self._head) else b""
+        view[: len(head)] = head
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._handle.close()
+        super().close()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -271,6 +382,37 @@ def check_not_truncated(path: Path) -> None:
     )
 
 
+def repair_truncated(path: Path) -> None:
+    """Writer side, under the lease: a file cut short by a failed append (disk full: HDF5 had raised the
+    end-of-file in the superblock, the data after it was never written) is padded with zeros to the end
+    its superblock names, so HDF5 opens it again; the reopen then shrinks everything to the last commit."""
+    block = read_superblock(path)
+    size = path.stat().st_size
+    if block is None or size >= block.eof:
+        return
+    why = f"{size} bytes where its superblock says {block.eof} (an append failed, disk full?)"
+    _open_repaired(path, why).close()  # refuses a file cut inside its committed part
+    log.warning("%s: %s; padding it to that end before going back to the last commit", path, why)
+    with open(path, "rb+") as handle:
+        handle.truncate(block.eof)
+        os.fsync(handle.fileno())
+
+
+def clear_write_flags(path: Path) -> None:
+    """Mark the file closed in its superblock (after a writer let go of it without HDF5's close)."""
+    block = read_superblock(path)
+    if block is not None and block.flags != 0:
+        _write_flags(path, block, 0)
+
+
+def _write_flags(path: Path, block: Superblock, flags: int) -> None:
+    fixed = block.head[:11] + bytes([flags]) + block.head[12:]
+    with open(path, "rb+") as handle:
+        handle.write(fixed + lookup3(fixed).to_bytes(4, "little"))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def clear_stale_write_flags(path: Path, taken_from_pid: int | None = None) -> None:
     """Clear the "open for writing" flags a killed writer left in the superblock (what ``h5clear -s`` does).
     Called with the writer lease held; as a second check, refuses if the ``writer`` attribute names a live
@@ -280,11 +422,7 @@ def clear_stale_write_flags(path: Path, taken_from_pid: int | None = None) -> No
         return
     _refuse_live_writer(path, taken_from_pid)
     log.warning("%s: the last writer did not close it (killed?); clearing its write flags", path)
-    fixed = block.head[:11] + b"\x00" + block.head[12:]
-    with open(path, "rb+") as handle:
-        handle.write(fixed + lookup3(fixed).to_bytes(4, "little"))
-        handle.flush()
-        os.fsync(handle.fileno())
+    _write_flags(path, block, 0)
 
 
 def _refuse_live_writer(path: Path, taken_from_pid: int | None) -> None:

@@ -220,7 +220,7 @@ def _refusal(store: Path, path: Path, holder: Lease) -> StoreError:
     expires = max(0.0, holder.timeout_s - holder.age())
     return StoreError(
         f"{store}: another process writes this store ({holder.describe()}; lease {path}). "
-        f"One writer per store: stop that server ({stop}) before starting another; if it is gone, its "
+        f"One writer per store: stop that writer ({stop}) before starting another; if it is gone, its "
         f"lease expires {expires:.0f} s from now and the next writer takes it over"
     )
 

@@ -4,7 +4,9 @@ On resume from a checkpoint at step ``k``, rows of that model past ``k`` (steps 
 removed first, so the file ends with every step exactly once. Several trainable models share the file
 (their rows interleave; the ``model`` column tells them apart): appends and the rewrite of a resume hold a
 POSIX lock on ``metrics.jsonl.lock`` (``lockf``, which network file systems honour), so one server's
-resume never drops another's rows.
+resume never drops another's rows. Where POSIX locks do not work (NFS without lockd: ENOLCK, EOPNOTSUPP),
+the lock is a file created with ``O_EXCL`` instead (``metrics.jsonl.xlock``: host, pid, time; one left by a
+dead or stuck holder is taken over after ``XLOCK_STALE_S``), with a warning once per process.
 
 Besides step rows the file holds *event rows*: ``{"event": ..., "model": ..., "reason": ..., "time": ...}``
 (a restart of the trainer's ranks, a server that failed or ended early). An event row has an ``event`` key and
@@ -15,9 +17,13 @@ drops events (they happened, whatever step is trained again).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
+import secrets
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +31,13 @@ from typing import Any
 
 from ajet_hpc.storage.atomic import write_bytes_atomic
 
+log = logging.getLogger(__name__)
+
 EVENT = "event"
+NO_POSIX_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+XLOCK_STALE_S = 30.0  # an O_EXCL lock file older than this is left by a dead or stuck holder
+XLOCK_POLL_S = 0.02
+_warned: set[str] = set()
 
 KEYS = (
     "step",
@@ -116,11 +128,91 @@ def truncate_after(path: Path, model: str, step: int) -> int:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with path.with_name(path.name + ".lock").open("a") as lock:
-        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in NO_POSIX_LOCKS:
+                raise
+            _warn_once(path, exc)
+            with _exclusive_file(path.with_name(path.name + ".xlock")):
+                yield
+            return
         try:
             yield
         finally:
             fcntl.lockf(lock, fcntl.LOCK_UN)
+
+
+def _warn_once(path: Path, exc: OSError) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning(
+            "%s: POSIX locks do not work on this file system (%s); locking with an O_EXCL lock file instead",
+            path,
+            exc,
+        )
+
+
+@contextlib.contextmanager
+def _exclusive_file(lock: Path) -> Iterator[None]:
+    """Hold ``lock`` (created with O_EXCL, atomic on NFSv3+ and local file systems) while inside."""
+    token = secrets.token_hex(8)
+    mine = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": token, "time": time.time()})
+    while True:
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            _take_if_stale(lock)
+            time.sleep(XLOCK_POLL_S)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(mine)
+        break
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if lock.read_text() == mine:  # not taken over meanwhile (we were stuck past XLOCK_STALE_S)
+                lock.unlink()
+
+
+def _take_if_stale(lock: Path) -> None:
+    """Remove ``lock`` if its holder is dead (this host) or it is older than XLOCK_STALE_S; logged."""
+    try:
+        text = lock.read_text()
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = {}  # being written this instant, or garbage: only its age can tell
+    dead = holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+    if not dead and age <= XLOCK_STALE_S:
+        return
+    aside = lock.with_name(f"{lock.name}.stale-{secrets.token_hex(4)}")
+    try:
+        os.rename(lock, aside)  # one taker wins the rename
+    except FileNotFoundError:
+        return
+    if aside.read_text() != text:  # another taker replaced it meanwhile: a fresh lock, put it back
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, lock)
+    else:
+        log.warning("%s: taking over a lock file left by %s (%.0f s old)", lock, holder or "?", age)
+    aside.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _line_count(path: Path) -> int:

@@ -23,7 +23,14 @@ import h5py
 import pytest
 
 from ajet_hpc.storage import client_store
-from ajet_hpc.storage.client_store import ClientStore, Result, StoreCorrupt, journal_path, read_results
+from ajet_hpc.storage.client_store import (
+    ClientStore,
+    CommitFailed,
+    Result,
+    StoreCorrupt,
+    journal_path,
+    read_results,
+)
 
 GROUP, INDEX = "workers", 3
 COMMITS = 20
@@ -372,11 +379,11 @@ def test_a_failed_append_leaves_no_torn_record(tmp_path: Path, monkeypatch: pyte
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", half_then_full_disk)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CommitFailed, match="No space"):
         store.commit(make_result(3))
     monkeypatch.undo()
     assert journal_path(path).stat().st_size == size
-    with pytest.raises(RuntimeError, match="reopen"):
+    with pytest.raises(CommitFailed, match="reopen"):
         store.commit(make_result(4))
     store.close()
     with ClientStore.open(path, group=GROUP, index=INDEX) as store:

@@ -508,7 +508,9 @@ def test_a_writer_stops_when_its_lease_is_taken(tmp_path: Path) -> None:
     writer.append_episode(make_record(0))
     # Faked: a writer on another node took the lease over (as it would after this one stopped beating).
     other = replace(writer.lease, host="node-b.cluster", pid=4242, token="0123456789abcdef")
-    lease_path(path).write_bytes(other.to_bytes())
+    taken = lease_path(path).with_suffix(".taken")  # whole, as a writer writes it (a heartbeat must not
+    taken.write_bytes(other.to_bytes())  # read it half-written: "removed or overwritten")
+    os.replace(taken, lease_path(path))
     deadline = time.monotonic() + 30
     while not writer.closed and time.monotonic() < deadline:
         time.sleep(0.01)
