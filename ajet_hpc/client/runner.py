@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
+from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
     ClientStopping,
     EndRefused,
@@ -175,6 +176,9 @@ class GroupTask:
         except (ServerFinished, ServerGone) as exc:
             log.info("nothing to do: %s", exc)
             return self.tally
+        except ServerNotTrusted as exc:
+            self.stop_untrusted(exc)
+            return self.tally
         slots = threading.BoundedSemaphore(self.group.in_flight)
         self.started.set()
         with ThreadPoolExecutor(self.group.in_flight, thread_name_prefix="episode") as pool:
@@ -255,6 +259,9 @@ class GroupTask:
                     self.server_error_attempts,
                 )
                 self.finished.wait(pause)
+            except ServerNotTrusted as exc:  # a planted rendezvous file, or another run's server
+                self.stop_untrusted(exc)
+                return
             except ServerAway as exc:
                 log.warning(
                     "task %s repeat %d: server away (%s); waiting to run it again", task.id, repeat, exc
@@ -264,6 +271,14 @@ class GroupTask:
             except Exception:
                 log.exception("task %s repeat %d failed", task.id, repeat)
                 return
+
+    def stop_untrusted(self, exc: ServerNotTrusted) -> None:
+        """A server did not prove that it holds the run secret: nothing was sent to it; the task stops
+        (``EXIT_SERVER_GONE``) rather than try it again for every episode."""
+        if self.gone is None:
+            self.gone = ServerGone(str(exc))
+            log.error("client %s[%d]: %s; running no more episodes", self.group.name, self.index, exc)
+        self.finished.set()
 
     def stop_on_store_failure(self, exc: CommitFailed | LeaseLost) -> None:
         """A result could not be committed: begin no new episode (none could be recorded)."""

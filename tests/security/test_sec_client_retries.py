@@ -111,9 +111,9 @@ def make_run(tmp_path: Path, url: str, **client) -> RunDir:
     return run
 
 
-def run_task(run: RunDir):
+def run_task(run: RunDir, task: GroupTask | None = None):
     """The runner's one array task, in a thread; None for a tally when it did not return within 60 s."""
-    task = GroupTask(run, run.load_topology().clients[0], index=0, repeats=1)
+    task = task or GroupTask(run, run.load_topology().clients[0], index=0, repeats=1)
     task.server_error_backoff_s = 0.2  # the defaults pause 2, 4, 8 s
     outcome: dict = {}
     worker = threading.Thread(target=lambda: outcome.update(tally=task.run()), daemon=True)
@@ -158,3 +158,21 @@ def test_an_end_the_server_refuses_aborts_the_episode_with_the_servers_message(
     assert [state for state, _ in closed] == ["aborted", "aborted"]  # not left open for episode_timeout_s
     assert all("reward is 1e+300, beyond this server's limit of ±1e+06" in reason for _, reason in closed)
     assert open_episodes(proxy.url) == 0
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_prove_the_secret_stops_the_runner(server, tmp_path: Path) -> None:
+    """Another run's server (or a planted rendezvous file): the challenge fails, the runner sends nothing
+    and stops its task (exit "server gone") instead of trying it again for every episode."""
+    real, proxy = server
+    begun: list[str] = []
+    real.ctx.episodes.on_closed(lambda episode: begun.append(episode.episode_id))
+    run = make_run(tmp_path, proxy.url)
+    run.secret_file.write_text("0" * 64 + "\n")  # not the secret the server holds
+    begun_before, calls_before = open_episodes(proxy.url), len(proxy.model_calls)
+    task = GroupTask(run, run.load_topology().clients[0], index=0, repeats=1)
+    tally = run_task(run, task)
+    assert tally is not None and (tally.finished, tally.aborted) == (0, 0)
+    assert task.gone is not None and "does not hold the run secret" in str(task.gone)
+    assert open_episodes(proxy.url) == begun_before and not begun  # no episode begun, none closed
+    assert len(proxy.model_calls) == calls_before
