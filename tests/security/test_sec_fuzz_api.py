@@ -246,6 +246,7 @@ class FuzzLog:
     ended: list[str] = field(default_factory=list)  # episodes whose end was accepted (not a duplicate)
     known_ids: list[str] = field(default_factory=list)
     sent: int = 0
+    slowest: tuple[float, str] = (0.0, "")
     store_failures_before: int = 0
     over_budget: int = 0
 
@@ -265,6 +266,18 @@ class FuzzLog:
             lines.append(f"- {failure.route}: {failure.outcome} ({failure.count}x); smallest request:")
             lines.append(f"    {failure.request[:600]}")
         return "\n".join(lines)
+
+
+_BODIES: dict[tuple[str, str], st.SearchStrategy] = {}
+
+
+def _body_strategy(op: Operation, defs: dict[str, Any]) -> st.SearchStrategy:
+    """The body strategy of ``op``, built once (building it again for every example costs more than the
+    requests)."""
+    key = (op.method, op.path)
+    if key not in _BODIES:
+        _BODIES[key] = from_schema(op.body or {}, defs)
+    return _BODIES[key]
 
 
 def draw_request(
@@ -292,7 +305,7 @@ def draw_request(
     url = path + ("?" + "&".join(query) if query else "")
     if op.body is None and op.method == "GET":
         return url, None
-    body = from_schema(op.body or {}, defs)
+    body = _body_strategy(op, defs)
     choice = data.draw(
         st.one_of(body, body, body, body, body, body, ANY_JSON, st.sampled_from(RAW_BODIES)), label="body"
     )
@@ -327,6 +340,7 @@ def send(
         log.fail(op.path, f"transport error {type(exc).__name__}: {exc}", shown)
         return None
     log.statuses[reply.status_code] += 1
+    log.slowest = max(log.slowest, (time.monotonic() - started, shown[:200]))
     if reply.status_code == 200:
         log.answered.add(op.path)
     if reply.status_code >= 500:
@@ -398,7 +412,7 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
         http.close()
     print(
         f"{kind}: {log.sent} requests in {time.monotonic() - started:.1f} s, statuses {dict(log.statuses)}, "
-        f"{log.over_budget} drawn past the budget"
+        f"{log.over_budget} drawn past the budget; slowest answer {log.slowest[0]:.1f} s: {log.slowest[1]}"
     )
     assert health.status_code == 200, f"/health after fuzzing: HTTP {health.status_code}"
     return log

@@ -23,6 +23,7 @@ def test_50_agents_for_10_s_no_5xx_and_every_ended_episode_stored_once(tmp_path:
     load_agents.show(report)
     tally = report.tally
     assert tally.server_errors == 0, tally.errors
+    assert tally.transport_errors == 0, tally.errors
     assert tally.client_errors == 0, tally.errors
     assert len(tally.ended) >= 50, f"only {len(tally.ended)} episodes ended: the load did not run"
     assert not report.lost, f"{len(report.lost)} ended episodes missing from the store: {report.lost[:5]}"

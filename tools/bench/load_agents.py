@@ -12,7 +12,8 @@ agent begins another episode; open ones finish. Then the server is stopped (SIGT
 Correctness (the exit code): no answer >= 500 and no transport error; every episode whose end was answered
 200 is in the store exactly once, and nothing else is. Figures: p50/p99 latency of the chat calls (and of
 begin/end), episodes/s over the window. Ends with one line:
-``RESULT agents=<n> episodes_per_s=<x> chat_p50_ms=<ms> chat_p99_ms=<ms> errors_5xx=<n> lost=<n> dup=<n>``.
+``RESULT agents=<n> episodes_per_s=<x> chat_p50_ms=<ms> chat_p99_ms=<ms> errors_5xx=<n> transport_errors=<n>
+lost=<n> dup=<n>``.
 
 The load generator shares the machine's cores with the server, so every rate is a floor.
 """
@@ -171,17 +172,23 @@ class Tally:
     ended: list[str] = field(default_factory=list)  # episodes whose end was answered 200
     begun: int = 0
 
+    started: float = field(default_factory=now)
+
     def note(self, call: str, status: int | str, detail: str = "") -> None:
         self.statuses[call, status] += 1
         failed = not isinstance(status, int) or status >= 400
         if failed and len(self.errors) < 20:
-            self.errors.append(f"{call}: {status} {detail[:300]}")
+            self.errors.append(f"{call} at {now() - self.started:.1f} s: {status} {detail[:300]}")
 
     @property
     def server_errors(self) -> int:
-        return sum(
-            n for (_, status), n in self.statuses.items() if not isinstance(status, int) or status >= 500
-        )
+        """Answers >= 500."""
+        return sum(n for (_, status), n in self.statuses.items() if isinstance(status, int) and status >= 500)
+
+    @property
+    def transport_errors(self) -> int:
+        """Calls that got no HTTP answer (connection reset or closed, timeout)."""
+        return sum(n for (_, status), n in self.statuses.items() if not isinstance(status, int))
 
     @property
     def client_errors(self) -> int:
@@ -252,11 +259,16 @@ async def agent(
 async def drive(url: str, secret: str, agents: int, seconds: float, turns: int) -> tuple[Tally, float]:
     """Run the agents; returns the tally and the window: from the start to the last episode's end."""
     auth = run_auth(url, secret)
-    limits = httpx.Limits(max_connections=agents + 16, max_keepalive_connections=agents + 16)
+    # An idle keep-alive connection is dropped here after 2 s, before uvicorn drops it (after 5 s): with the
+    # same 5 s on both sides (httpx's default), a request sent just as the server closes the connection
+    # fails with a ReadError, a race of HTTP/1.1 keep-alive, not a server fault (docs/reliability.md, Load).
+    limits = httpx.Limits(
+        max_connections=agents + 16, max_keepalive_connections=agents + 16, keepalive_expiry=2.0
+    )
     tally = Tally()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as http:
         llm = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
-        started = now()
+        started = tally.started = now()
         stop_at = started + seconds
         await asyncio.gather(*(agent(i, http, llm, auth, stop_at, turns, tally) for i in range(agents)))
         window = now() - started
@@ -322,7 +334,7 @@ def run(
             code = stop_server(server)
         with EpisodeReader(run_dir / "data" / f"{MODEL}.h5") as reader:
             stored = Counter(summary["episode_id"] for summary in reader.summaries())
-        if tally.server_errors:
+        if tally.server_errors or tally.transport_errors:
             print(f"--- last lines of {server.log}:\n{server.tail()}")
         return Report(agents, seconds, window, tally, stored, code)
 
@@ -353,7 +365,8 @@ def show(report: Report) -> None:
     print(
         f"RESULT agents={report.agents} episodes_per_s={report.episodes_per_s:.1f} "
         f"chat_p50_ms={percentile(tally.chat_ms, 50):.1f} chat_p99_ms={percentile(tally.chat_ms, 99):.1f} "
-        f"errors_5xx={tally.server_errors} lost={len(report.lost)} dup={len(report.duplicated)}"
+        f"errors_5xx={tally.server_errors} transport_errors={tally.transport_errors} "
+        f"lost={len(report.lost)} dup={len(report.duplicated)}"
     )
 
 
