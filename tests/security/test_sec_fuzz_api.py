@@ -3,10 +3,12 @@
 an episode store attached), as three callers: anonymous (no or bad tokens), the run secret's holder, and
 an agent holding a valid episode token.
 
-The strategies follow the schema (every operation, its path and query parameters, its JSON body), mixed
-with what an attacker or an unlucky client sends instead: lone surrogates, control characters, deeply
-nested JSON text, NaN and infinities (Python's ``json`` writes them; the server's parser reads them),
-integers beyond 64 bits, long lists, wrong types, bodies that are not JSON. Every answer must be below
+The strategies follow the schema (every operation, its path and query parameters, its JSON body). Most
+bodies are valid but for one value, so that the hostile value gets past validation to the handler; the
+others are hostile throughout. Hostile values are what an attacker or an unlucky client sends: lone
+surrogates, control characters, deeply nested JSON text, NaN and infinities (Python's ``json`` writes
+them; the server's parser reads them), integers beyond 64 bits, long lists, wrong types, bodies that are
+not JSON. Every answer must be below
 500 and come within ``REQUEST_TIMEOUT_S``; afterwards ``/health`` answers, and every episode whose end
 was accepted is in the store once.
 
@@ -119,52 +121,59 @@ ARGUMENTS = st.one_of(  # a tool call's arguments: JSON text, mostly
 
 
 # ---------------------------------------------------------------------------- schema -> strategies
-def from_schema(schema: dict[str, Any], defs: dict[str, Any], name: str = "") -> st.SearchStrategy:
-    """Values for a JSON schema of the subset FastAPI writes ($ref, anyOf, const, enum, the JSON types),
-    valid mostly, with hostile leaves and an occasional wrong type."""
+def from_schema(
+    schema: dict[str, Any], defs: dict[str, Any], name: str = "", clean: bool = False
+) -> st.SearchStrategy:
+    """Values for a JSON schema of the subset FastAPI writes ($ref, anyOf, const, enum, the JSON types):
+    valid mostly, with hostile leaves, long lists and an occasional wrong type; with ``clean``, valid and
+    small only (the skeleton ``mutated`` puts one hostile value into)."""
     if "$ref" in schema:
         target = schema["$ref"].rsplit("/", 1)[-1]
-        return st.deferred(lambda: from_schema(defs[target], defs, name))
+        return st.deferred(lambda: from_schema(defs[target], defs, name, clean))
     if "const" in schema:
         return st.just(schema["const"])
     if "enum" in schema:
-        return st.sampled_from(schema["enum"]) | st.just("root")
+        return st.sampled_from(schema["enum"]) if clean else st.sampled_from(schema["enum"]) | st.just("root")
     for key in ("anyOf", "oneOf"):
         if key in schema:
-            return st.one_of([from_schema(sub, defs, name) for sub in schema[key]])
+            return st.one_of([from_schema(sub, defs, name, clean) for sub in schema[key]])
     if "allOf" in schema:
-        return from_schema(schema["allOf"][0], defs, name)
+        return from_schema(schema["allOf"][0], defs, name, clean)
     kind = schema.get("type")
     if kind == "object":
-        return _object(schema, defs)
+        return _object(schema, defs, clean)
     if kind == "array":
-        items = from_schema(schema.get("items", {}), defs, name)
-        short = st.lists(items, min_size=schema.get("minItems", 0), max_size=4)
+        items = from_schema(schema.get("items", {}), defs, name, clean)
+        short = st.lists(items, min_size=schema.get("minItems", 0), max_size=3 if clean else 4)
+        if clean:
+            return short
         long = st.tuples(items, st.sampled_from([200, 1100, 3000])).map(_repeated)
         return st.one_of(short, short, short, short, short, long, st.just([]))
     if kind == "string":
         if name == "model":
-            return st.just(MODEL) | st.just(MODEL) | STRINGS
+            return st.just(MODEL) if clean else st.just(MODEL) | st.just(MODEL) | STRINGS
         if name == "arguments":
-            return ARGUMENTS
-        return STRINGS
+            return st.dictionaries(TEXT, TEXT, max_size=2).map(json.dumps) if clean else ARGUMENTS
+        return TEXT if clean else STRINGS
     if kind == "integer":
         low, high = schema.get("minimum"), schema.get("maximum")
         fitting = st.integers(
             None if low is None else math.ceil(low), None if high is None else math.floor(high)
         )
         if name in ("max_tokens", "max_completion_tokens", "n", "top_logprobs", "logprobs"):
-            fitting = st.integers(0, 9)
-        return st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_INTS))
+            fitting = st.integers(1 if clean else 0, 2 if clean else 9)
+        return fitting if clean else st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_INTS))
     if kind == "number":
         low, high = schema.get("minimum"), schema.get("maximum")
         fitting = st.floats(low, high, allow_nan=False, allow_infinity=False)
-        return st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_FLOATS))
+        if "exclusiveMinimum" in schema:
+            fitting = fitting.filter(lambda x: x > schema["exclusiveMinimum"])
+        return fitting if clean else st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_FLOATS))
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
         return st.none()
-    return ANY_JSON  # {}: anything (e.g. tool_choice)
+    return st.none() if clean else ANY_JSON  # {}: anything (e.g. tool_choice)
 
 
 def _repeated(pair: tuple[Any, int]) -> list[Any]:
@@ -173,20 +182,68 @@ def _repeated(pair: tuple[Any, int]) -> list[Any]:
     return [item] * (times if len(json.dumps(item, allow_nan=True)) <= 1000 else 1)
 
 
-def _object(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy:
+def _object(schema: dict[str, Any], defs: dict[str, Any], clean: bool) -> st.SearchStrategy:
     properties = schema.get("properties", {})
     required = set(schema.get("required", []))
-    fields = {key: from_schema(sub, defs, key) for key, sub in properties.items()}
+    fields = {key: from_schema(sub, defs, key, clean) for key, sub in properties.items()}
     body = st.fixed_dictionaries(
         {key: fields[key] for key in properties if key in required},
         optional={key: fields[key] for key in properties if key not in required},
     )
+    if clean:
+        return body
     if schema.get("additionalProperties", True) is not False:
         extra = st.dictionaries(TEXT.filter(lambda key: key not in properties), ANY_JSON, max_size=2)
         body = st.tuples(body, extra).map(lambda pair: {**pair[1], **pair[0]})
     if required:  # now and then a required field goes missing
         body = st.one_of(body, body, body, st.tuples(body, st.sampled_from(sorted(required))).map(_without))
     return body
+
+
+HOSTILE = st.one_of(
+    st.sampled_from(HOSTILE_STRINGS),
+    st.sampled_from(HOSTILE_FLOATS),
+    st.sampled_from(HOSTILE_INTS),
+    st.just([{"role": "user", "content": "a"}] * 1100),
+    st.just(["stop"] * 40),
+    ANY_JSON,
+)
+
+
+def mutated(clean: st.SearchStrategy) -> st.SearchStrategy:
+    """A valid body with one value (a leaf anywhere in it) replaced by a hostile one:
+    it passes validation everywhere else, so the hostile value reaches the handler."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Any:
+        body = draw(clean)
+        spots = list(_spots(body, ()))
+        if not spots:
+            return body
+        path = draw(st.sampled_from(spots))
+        return _replace(body, path, draw(HOSTILE))
+
+    return build()
+
+
+def _spots(value: Any, path: tuple) -> Any:
+    if path:
+        yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _spots(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _spots(item, (*path, index))
+
+
+def _replace(value: Any, path: tuple, new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replace(value[head], rest, new)}
+    return [*value[:head], _replace(value[head], rest, new), *value[head + 1 :]]
 
 
 def _without(pair: tuple[dict[str, Any], str]) -> dict[str, Any]:
@@ -247,6 +304,7 @@ class FuzzLog:
     known_ids: list[str] = field(default_factory=list)
     sent: int = 0
     slowest: tuple[float, str] = (0.0, "")
+    refusals: Counter = field(default_factory=Counter)  # the start of each 400's body
     store_failures_before: int = 0
     over_budget: int = 0
 
@@ -276,7 +334,10 @@ def _body_strategy(op: Operation, defs: dict[str, Any]) -> st.SearchStrategy:
     requests)."""
     key = (op.method, op.path)
     if key not in _BODIES:
-        _BODIES[key] = from_schema(op.body or {}, defs)
+        hostile = from_schema(op.body or {}, defs)
+        one_bad = mutated(from_schema(op.body or {}, defs, clean=True))
+        # mostly one hostile value in a valid body (it reaches the handler), else hostile throughout
+        _BODIES[key] = st.one_of(*[one_bad] * 6, hostile, hostile, ANY_JSON, st.sampled_from(RAW_BODIES))
     return _BODIES[key]
 
 
@@ -306,9 +367,7 @@ def draw_request(
     if op.body is None and op.method == "GET":
         return url, None
     body = _body_strategy(op, defs)
-    choice = data.draw(
-        st.one_of(body, body, body, body, body, body, ANY_JSON, st.sampled_from(RAW_BODIES)), label="body"
-    )
+    choice = data.draw(body, label="body")
     if isinstance(choice, bytes):
         return url, choice
     return url, json.dumps(choice, allow_nan=True).encode()
@@ -340,6 +399,8 @@ def send(
         log.fail(op.path, f"transport error {type(exc).__name__}: {exc}", shown)
         return None
     log.statuses[reply.status_code] += 1
+    if reply.status_code == 400:
+        log.refusals[reply.text[:90]] += 1
     log.slowest = max(log.slowest, (time.monotonic() - started, shown[:200]))
     if reply.status_code == 200:
         log.answered.add(op.path)
@@ -414,6 +475,7 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
         f"{kind}: {log.sent} requests in {time.monotonic() - started:.1f} s, statuses {dict(log.statuses)}, "
         f"{log.over_budget} drawn past the budget; slowest answer {log.slowest[0]:.1f} s: {log.slowest[1]}"
     )
+    print(f"  most frequent 400s: {log.refusals.most_common(6)}")
     assert health.status_code == 200, f"/health after fuzzing: HTTP {health.status_code}"
     return log
 
