@@ -52,8 +52,8 @@ def credentials(server: RunningServer, kind: str) -> tuple[dict[str, str], str |
 
     The one place that knows how a client proves who it is: when the run secret's use changes (e.g. to a
     challenge the server answers first), only this function changes."""
-    if kind == "run":
-        return {"Authorization": f"Bearer {SECRET}"}, None
+    if kind == "run":  # a run token from the challenge: the raw secret is never sent
+        return dict(server.admin), None
     if kind == "episode":
         begun = server.begin(task_id="fuzz", group="fuzz")
         return {"Authorization": f"Bearer {begun['api_key']}"}, begun["episode_id"]
@@ -71,6 +71,8 @@ ANONYMOUS_HEADERS = st.one_of(
             {"Authorization": "Bearer ep1..."},
             {"Authorization": "Bearer ep1.%%%.***"},
             {"Authorization": "Bearer " + "5e" * 31 + "5f"},  # one digit off the run secret
+            {"Authorization": f"Bearer {SECRET}"},  # the run secret itself: never accepted over HTTP
+            {"Authorization": "Bearer run1.AAAA.BBBB.CCCC"},
             {"Authorization": "Bearer " + "ep1." + "A" * 4000 + ".x"},
         ]
     ),

@@ -42,6 +42,7 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from ajet_hpc.client.handshake import fetch_run_token  # noqa: E402
 from ajet_hpc.storage import rendezvous  # noqa: E402
 from ajet_hpc.storage.episode_store import EpisodeReader  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402
@@ -52,11 +53,9 @@ now = time.perf_counter
 
 # ------------------------------------------------------------------------------------------- credentials
 def run_auth(url: str, secret: str) -> httpx.Auth | dict[str, str]:
-    """How the episode API's caller (holder of the run secret) proves who it is, as ``auth`` or headers for
-    httpx. The one place that knows it: when the run secret's use changes (e.g. to a challenge the server
-    answers first, an ``httpx.Auth`` flow), only this function changes."""
-    del url
-    return {"Authorization": f"Bearer {secret}"}
+    """How the episode API's caller (holder of the run secret) proves who it is, as headers for httpx: a
+    run token from the server's challenge (``ajet_hpc.client.handshake``); the secret itself is never sent."""
+    return {"Authorization": f"Bearer {fetch_run_token(url, secret)}"}
 
 
 # ------------------------------------------------------------------------------------------ the run
