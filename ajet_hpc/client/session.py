@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import httpx
 
 from ajet_hpc.client.handshake import run_client
+
+STORE_RETRIES = 60
+STORE_RETRY_S = 5.0
+"""An end the server answers 503 ``store_unavailable`` (its store is full) is sent again this many times,
+this far apart: a duplicate end answers once the episode is in the store."""
 
 
 class ServerAway(ConnectionError):
@@ -27,12 +33,21 @@ class ServerError(ServerAway):
     """The server answered, with an HTTP 5xx (a failed model call or episode call). Unlike an absent server
     it is not waited for: the runner tries the episode again a bounded number of times, then aborts it."""
 
+    code: str | None = None  # the error's code in the server's answer (e.g. ``store_unavailable``)
+
 
 def _error_message(reply: httpx.Response) -> str:
     try:
         return str(reply.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return reply.text[:500]
+
+
+def _error_code(reply: httpx.Response) -> str | None:
+    try:
+        return reply.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class TrainingFinished(RuntimeError):
@@ -79,7 +94,9 @@ class EpisodeAPI:
         if reply.status_code in (404, 409):
             raise EpisodeRejected(reply.json().get("error", {}).get("message", reply.text))
         if reply.status_code >= 500:
-            raise ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
+            error = ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
+            error.code = _error_code(reply)
+            raise error
         reply.raise_for_status()
         return reply.json()
 
@@ -114,7 +131,16 @@ class EpisodeAPI:
         if key is not None:
             body.update(group=key[0], task_id=key[1], repeat=key[2])
         try:
-            return self._post(f"/v1/episodes/{episode_id}/end", body)
+            for attempt in range(1, STORE_RETRIES + 1):
+                try:
+                    return self._post(f"/v1/episodes/{episode_id}/end", body)
+                except ServerError as exc:
+                    # The episode ended, but the server's store did not take it yet (a full disk): the
+                    # same end again answers once it is stored; past the retries, the caller's 5xx path.
+                    if exc.code != "store_unavailable" or attempt == STORE_RETRIES:
+                        raise
+                    time.sleep(STORE_RETRY_S)
+            raise AssertionError("unreachable")
         except httpx.HTTPStatusError as exc:
             if exc.response.status_code == 400:
                 raise EndRefused(f"end of {episode_id} refused: {_error_message(exc.response)}") from exc

@@ -2,6 +2,11 @@
 
 The registry hands every closed episode to ``EpisodeRecorder.submit``; a single thread appends them to
 ``RUN/data/<model>.h5`` in order (HDF5 writes never block serving). ``close`` drains the queue.
+
+A record whose append fails (a full disk, a quota) is kept, in order, and written again before the next
+record and every ``RETRY_S`` meanwhile: once space is back nothing is lost. Until then ``written`` says
+False (the episode API answers an end with 503 instead of a success the store does not back) and
+``unwritten_ids`` names the episodes still waiting (left out of the ended keys a client may commit).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRec
 log = logging.getLogger(__name__)
 _STOP = object()
 WRITE_WAIT_S = 120.0
+RETRY_S = 5.0  # a failed append is tried again this often, and before the next record
 
 
 class EpisodeRecorder:
@@ -24,52 +30,91 @@ class EpisodeRecorder:
         self.path = path
         self.writer = EpisodeWriter(path)
         self._queue: queue.Queue = queue.Queue()
+        self.failed = 0  # appends that failed (each retried until it is written)
+        self._unwritten: list = []  # records whose append failed, oldest first (the recorder thread's)
+        self._unwritten_ids: frozenset[str] = frozenset()  # their episode ids, for other threads
         self._thread = threading.Thread(target=self._drain, name="episode-recorder", daemon=True)
         self._thread.start()
-        self.failed = 0
 
     def submit(self, episode) -> None:
         """Queue a closed episode (``ajet_hpc.server.episodes.Episode``) for the store."""
-        self._queue.put(EpisodeRecord.from_episode(episode))
+        self.submit_record(EpisodeRecord.from_episode(episode))
+
+    def submit_record(self, record: EpisodeRecord) -> None:
+        self._queue.put(record)
 
     def submit_step(self, record: StepRecord) -> None:
         self._queue.put(record)
 
     def _drain(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=RETRY_S if self._unwritten else None)
+            except queue.Empty:
+                self._retry()
+                continue
             if item is _STOP:
+                self._retry()
                 return
             if isinstance(item, threading.Event):  # flush marker
                 item.set()
                 continue
-            if callable(item):  # flush marker of an event loop
-                item()
+            if callable(item):  # flush marker of an event loop: told whether everything is in the store
+                item(not self._unwritten)
                 continue
+            self._unwritten.append(item)
+            self._retry()
+
+    def _retry(self) -> None:
+        """Append the waiting records in order; stop at the first that fails again (kept for later)."""
+        while self._unwritten:
+            item = self._unwritten[0]
             try:
                 if isinstance(item, StepRecord):
                     self.writer.append_step(item)
                 else:
                     self.writer.append_episode(item)
-            except Exception:
+            except Exception as error:
                 self.failed += 1
-                log.exception("could not write to the episode store %s", self.path)
+                if self.failed == 1 or self.failed % 100 == 0:
+                    log.exception("could not write to the episode store %s", self.path)
+                else:
+                    log.error("could not write to the episode store %s: %s", self.path, error)
+                log.warning(
+                    "%d record(s) wait for the episode store (retried every %.0f s): nothing is lost while "
+                    "this process lives; free space where %s lies",
+                    len(self._unwritten),
+                    RETRY_S,
+                    self.path,
+                )
+                break
+            self._unwritten.pop(0)
+        self._unwritten_ids = frozenset(
+            item.episode_id for item in self._unwritten if not isinstance(item, StepRecord)
+        )
+
+    def unwritten_ids(self) -> frozenset[str]:
+        """The episodes closed but not yet in the store (their appends failed and are being retried)."""
+        return self._unwritten_ids
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until everything queued so far is written; False after ``timeout_s``."""
+        """Wait until everything queued so far was tried; False after ``timeout_s``."""
         written = threading.Event()
         self._queue.put(written)
         return written.wait(timeout_s)
 
-    async def written(self) -> None:
-        """Wait (without blocking the event loop) until everything queued so far is in the store."""
+    async def written(self) -> bool:
+        """Wait (without blocking the event loop) until everything queued so far was tried: True when it is
+        all in the store, False when some append failed (and waits for a retry) or took over
+        ``WRITE_WAIT_S``."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._queue.put(lambda: loop.call_soon_threadsafe(_resolve, done))
+        self._queue.put(lambda stored: loop.call_soon_threadsafe(_resolve, done, stored))
         try:
-            await asyncio.wait_for(done, WRITE_WAIT_S)
+            return await asyncio.wait_for(done, WRITE_WAIT_S)
         except TimeoutError:
             log.error("the episode store %s did not take an episode within %.0f s", self.path, WRITE_WAIT_S)
+            return False
 
     def close(self) -> None:
         self._queue.put(_STOP)
@@ -77,6 +122,6 @@ class EpisodeRecorder:
         self.writer.close()
 
 
-def _resolve(future: asyncio.Future) -> None:
+def _resolve(future: asyncio.Future, stored: bool) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(stored)

@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from ajet_hpc.server import protocol as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
 from ajet_hpc.server.episodes import Episode
-from ajet_hpc.server.errors import BadRequest, Conflict
+from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable
 
 router = APIRouter()
 Auth = Header(default=None, alias="Authorization")
@@ -89,6 +89,7 @@ async def ended(request: Request, group: str, authorization: str | None = Auth) 
     them instead of running them again."""
     ctx = _ctx(request)
     authorize_run_call(ctx.secret, authorization)
+    unwritten = ctx.recorder.unwritten_ids() if ctx.recorder is not None else frozenset()
     return p.EndedEpisodes(
         group=group,
         ended=[
@@ -100,6 +101,7 @@ async def ended(request: Request, group: str, authorization: str | None = Auth) 
                 ended_at=record.ended_at,
             )
             for key, record in ctx.episodes.ended_keys(group)
+            if record.episode_id not in unwritten  # not in the store yet: not for a client to commit
         ],
     )
 
@@ -125,10 +127,15 @@ async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, auth
     summary = ctx.episodes.end(
         episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata, body.group, body.repeat
     )
-    if ctx.recorder is not None and not summary.duplicate:
+    if ctx.recorder is not None and not await ctx.recorder.written():
         # Answer once the episode is committed in the server store: a client commits its result only
-        # after this answer, so whatever a client holds, a restarted server knows too (exactly once).
-        await ctx.recorder.written()
+        # after this answer, so whatever a client holds, a restarted server knows too (exactly once). A
+        # retried end (a duplicate) waits as well: its first answer may have been this 503.
+        raise Unavailable(
+            f"episode {episode_id} ended, but the server could not write it to its store yet (disk full? see "
+            "the server's log); it keeps the episode and retries: end it again later",
+            code="store_unavailable",
+        )
     return summary
 
 
