@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +123,24 @@ def jobs_ended(*job_ids: str) -> bool:
     from ajet_hpc.launch import slurmcli
 
     return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (e.g. "4m") mounted on ``folder`` (tmpfs; root only): a disk that
+    really runs full (ENOSPC). Unmounted on the way out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def fill_disk(folder: Path, leave: int = 0) -> Path:
+    """A ballast file that leaves about ``leave`` bytes free on ``folder``'s file system; unlink it to give
+    the space back."""
+    st = os.statvfs(folder)
+    ballast = folder / "ballast"
+    ballast.write_bytes(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+    return ballast

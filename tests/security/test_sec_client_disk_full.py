@@ -6,14 +6,13 @@ tiny model, a real full file system (a 2 MiB tmpfs mounted on the group's store 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, topology_dict, wait_until, write_topology
+from support import REPO, fill_disk, run_module, topology_dict, wait_until, write_topology
 
 from ajet_hpc.client.runner import EXIT_STORE_FAILED
 from ajet_hpc.storage.client_store import read_results
@@ -31,13 +30,6 @@ def _runner(run: Path) -> subprocess.CompletedProcess[str]:
 def _start_runner(run: Path) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "ajet_hpc.client", str(run), "--group", "math", "--index", "0", "--once"]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _fill(folder: Path, leave: int) -> Path:
-    st = os.statvfs(folder)
-    ballast = folder / "ballast"
-    ballast.write_bytes(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
-    return ballast
 
 
 def test_a_runner_stops_when_its_store_is_full_and_resumes_after(tmp_path: Path) -> None:
@@ -59,7 +51,7 @@ def test_a_runner_stops_when_its_store_is_full_and_resumes_after(tmp_path: Path)
         # tmpfs gives the journal a page at a time: fill the disk when its last page is nearly full
         near_page_end = lambda: journal.exists() and journal.stat().st_size % 4096 > 4096 - 700  # noqa: E731
         wait_until(near_page_end, 240, "the journal's first page to fill up", poll_s=0.02)
-        ballast = _fill(folder, 0)  # the disk fills up while the runner runs
+        ballast = fill_disk(folder, 0)  # the disk fills up while the runner runs
         out, err = runner.communicate(timeout=300)
         first = subprocess.CompletedProcess(runner.args, runner.returncode, out, err)
         assert first.returncode == EXIT_STORE_FAILED, first.stderr[-4000:]

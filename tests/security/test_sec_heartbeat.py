@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import wait_until
+from support import fill_disk, tmpfs, wait_until
 
 from ajet_hpc.server import process
 from ajet_hpc.storage import rendezvous
@@ -23,15 +22,9 @@ from ajet_hpc.storage import rendezvous
 
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
-    folder = tmp_path / "servers"
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
-    try:
-        st = os.statvfs(folder)
-        (folder / "ballast").write_bytes(bytes(st.f_bavail * st.f_frsize))
+    with tmpfs(tmp_path / "servers", "1m") as folder:
+        fill_disk(folder)
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 def _heartbeat(path: Path, monkeypatch: pytest.MonkeyPatch) -> process._Heartbeat:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import Harness
-from test_sec_stores import _fill, make_record
+from support import fill_disk, tmpfs
+from test_sec_stores import make_record
 
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.server import recorder as recorder_module
@@ -25,13 +25,8 @@ from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "disk", "4m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_episodes_that_meet_a_full_disk_are_written_once_space_is_back(
@@ -44,7 +39,7 @@ def test_episodes_that_meet_a_full_disk_are_written_once_space_is_back(
         for i in range(3):
             recorder.submit_record(make_record(i))
         assert asyncio.run(recorder.written()) is True
-        ballast = _fill(small_disk, 600_000)
+        ballast = fill_disk(small_disk, 600_000)
         submitted = 3
         while asyncio.run(recorder.written()):  # big episodes until one does not fit
             recorder.submit_record(make_record(submitted, turns=8, answer=50))
@@ -88,7 +83,7 @@ def test_an_end_the_store_cannot_take_is_answered_503_and_not_offered_for_commit
     recorder = EpisodeRecorder(small_disk / "policy.h5")
     server.ctx.attach_recorder(recorder)
     try:
-        ballast = _fill(small_disk, 600_000)
+        ballast = fill_disk(small_disk, 600_000)
         filler = 0
         while asyncio.run(recorder.written()):  # big episodes until the store stops taking them
             recorder.submit_record(make_record(filler, turns=8, answer=50))

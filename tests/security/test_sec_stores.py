@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import fill_disk, tmpfs
 
 from ajet_hpc.storage.client_store import ClientStore, Result, read_results
 from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter, StoreError
@@ -53,21 +54,8 @@ def make_record(i: int, turns: int = 2, answer: int = 5) -> EpisodeRecord:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs: a file system that really runs full (ENOSPC)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "disk", "4m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def _fill(folder: Path, leave: int) -> Path:
-    """A ballast file that leaves about ``leave`` bytes free on ``folder``'s file system."""
-    st = os.statvfs(folder)
-    ballast = folder / "ballast"
-    ballast.write_bytes(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
-    return ballast
 
 
 def _append_until_full(writer: EpisodeWriter, start: int) -> tuple[int, StoreError]:
@@ -84,7 +72,7 @@ def test_writer_survives_a_full_disk_and_readers_read_every_commit(small_disk: P
     with EpisodeWriter(path, chunk_tokens=1024) as writer:
         for i in range(5):
             writer.append_episode(make_record(i))
-        ballast = _fill(small_disk, 600_000)
+        ballast = fill_disk(small_disk, 600_000)
         failed, exc = _append_until_full(writer, 5)
         assert "No space left on device" in str(exc) and "nothing of it was committed" in str(exc)
         assert not writer.closed
@@ -112,7 +100,7 @@ def test_a_writer_that_dies_at_its_file_size_limit_leaves_every_commit_readable(
     path = tmp_path / "policy.h5"
     child = textwrap.dedent(f"""
         import os, resource, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # and support.py
         from pathlib import Path
         from test_sec_stores import make_record
         from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
