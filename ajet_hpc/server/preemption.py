@@ -61,12 +61,21 @@ _job_id: str | None = os.environ.get("SLURM_JOB_ID")
 _saved = False  # a save started in this process (it runs once)
 _requeue_by_caller = False  # USR2 came: submitit or the batch script requeues the job
 _deadline: str | None = None  # set by the deadline thread just before it signals the main thread
+_over: str | None = None  # the server's work is over (training complete, or failed): never requeue
 
 
 def configure(budgets: Budgets, job_id: str | None) -> None:
     """The server's budgets and its Slurm job id (None outside Slurm: never requeue)."""
     global _budgets, _job_id
     _budgets, _job_id = budgets, job_id
+
+
+def work_over(why: str) -> None:
+    """The server's work is over (training complete, or the watchdog gave up): a SIGTERM from now on (a
+    preemption while it shuts down, the time limit) stops it without requeueing its job, which would only
+    start again to find nothing to do, or a failure that must not be retried."""
+    global _over
+    _over = why
 
 
 def save_budget_s() -> float:
@@ -117,6 +126,9 @@ def on_term() -> None:
     checkpoint("SIGTERM", _budgets.term_s)
     if _requeue_by_caller or _job_id is None:
         return
+    if _over is not None:
+        log.info("SIGTERM: %s; not requeueing", _over)
+        return
     try:
         record = slurmcli.job_record(_job_id)
     except slurmcli.SlurmError as error:
@@ -163,7 +175,7 @@ def _when(text: str | None) -> datetime | None:
 
 def _requeue(why: str) -> None:
     global _requeue_by_caller
-    if _job_id is None or _requeue_by_caller:
+    if _job_id is None or _requeue_by_caller or _over is not None:
         return
     _requeue_by_caller = True
     try:
@@ -175,5 +187,5 @@ def _requeue(why: str) -> None:
 
 def reset() -> None:
     """Forget that a save ran (a new start in the same process: tests)."""
-    global _saved, _requeue_by_caller, _deadline
-    _saved, _requeue_by_caller, _deadline = False, False, None
+    global _saved, _requeue_by_caller, _deadline, _over
+    _saved, _requeue_by_caller, _deadline, _over = False, False, None, None

@@ -337,8 +337,16 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             for name in partners
         )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
-    ctx.on_finished = lambda: (heartbeat.try_beat(), _stop_when_idle(ctx, server))
-    ctx.on_failed = lambda: (heartbeat.try_beat(), _stop_when_idle(ctx, server, grace_s=5.0))
+    ctx.on_finished = lambda: (
+        preemption.work_over("training is complete"),
+        heartbeat.try_beat(),
+        _stop_when_idle(ctx, server),
+    )
+    ctx.on_failed = lambda: (
+        preemption.work_over("the server failed"),
+        heartbeat.try_beat(),
+        _stop_when_idle(ctx, server, grace_s=5.0),
+    )
     heartbeat.start()
     # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
     cluster = topology.cluster

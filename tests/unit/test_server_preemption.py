@@ -73,6 +73,25 @@ def test_sigterm_saves_within_kill_wait_and_requeues_only_a_preemption(fresh: li
         unregister()
 
 
+def test_a_server_whose_work_is_over_saves_but_is_not_requeued_when_preempted(fresh, monkeypatch) -> None:
+    """Preempted while it shuts down after its last step (or after failing): the store is still flushed,
+    but the job is not requeued: it would start again only to find nothing to do (or retry a failure)."""
+    budgets: list[float] = []
+    unregister = preemption.on_signal(budgets.append)
+    monkeypatch.setattr(slurmcli, "job_record", lambda job: record(preempt="2026-11-30T10:05:00"))
+    try:
+        preemption.work_over("training is complete")
+        preemption.on_term()
+        assert budgets == [20.0] and fresh == []
+        preemption.reset()
+        preemption.work_over("the server failed")
+        monkeypatch.setattr(preemption, "_deadline", "the time limit is near")  # as `signal_deadline` sets it
+        preemption.on_term()  # the deadline's path neither
+        assert fresh == []
+    finally:
+        unregister()
+
+
 def test_a_failing_hook_still_lets_the_others_run_and_the_requeue_happen(fresh, monkeypatch) -> None:
     ran: list[str] = []
 

@@ -8,7 +8,8 @@ The dev cluster sends the user signal at preemption (``preempt_send_user_signal`
 (then, after the partition's GraceTime, SIGTERM again and SIGKILL after KillWait), never USR2. A job on the
 higher-tier partition ``urgent`` takes the server's node; the server saves the step it is at, requeues its
 own job (with GraceTime a job that stops by itself would end COMPLETED, never requeued), resumes at that
-step and the run finishes: every step once in metrics.jsonl, in the server's store and in the ranks' log.
+step and the run finishes. The client array is suspended from step 2 until the save, so that the run cannot
+finish before Slurm gets round to the preemption: every step once in metrics.jsonl, in the server's store and in the ranks' log.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
     urgent = None
     try:
         wait_until(lambda: len(recorded_steps(run)) >= 2, 300, "step 2")
+        # Hold the clients while the preemption takes its time (the scheduler's pass, a loaded machine): no
+        # new episode, so with max_staleness 1 the trainer stops within two steps, well before TOTAL.
+        subprocess.run(["scontrol", "suspend", client_id], check=True)
         command = ["sbatch", "--parsable", "-p", "urgent", "-w", "g1", "-c", "2", "--mem=100M"]
         urgent = subprocess.run(
             [*command, f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2"],
@@ -92,6 +96,7 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
             120,
             "the server to checkpoint on SIGTERM",
         )
+        subprocess.run(["scontrol", "resume", client_id], check=True)
         saved_at = int(saved[0])
         assert saved_at < TOTAL, "the run finished before the preemption: raise TOTAL"
         assert recorded_steps(run) == list(
@@ -118,6 +123,9 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
         record = slurmcli.job_record(server_id)
         assert record["Restarts"] == "1" and record["JobState"] == "COMPLETED"
     finally:
+        subprocess.run(
+            ["scontrol", "resume", client_id], check=False, capture_output=True
+        )  # if the test failed while they were held
         subprocess.run(
             ["scancel", server_id, client_id, *([urgent] if urgent else [])], check=False, capture_output=True
         )
