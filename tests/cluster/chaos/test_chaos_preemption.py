@@ -8,8 +8,9 @@ The dev cluster sends the user signal at preemption (``preempt_send_user_signal`
 (then, after the partition's GraceTime, SIGTERM again and SIGKILL after KillWait), never USR2. A job on the
 higher-tier partition ``urgent`` takes the server's node; the server saves the step it is at, requeues its
 own job (with GraceTime a job that stops by itself would end COMPLETED, never requeued), resumes at that
-step and the run finishes. The client array is suspended from step 2 until the save, so that the run cannot
-finish before Slurm gets round to the preemption: every step once in metrics.jsonl, in the server's store and in the ranks' log.
+step and the run finishes: every step once in metrics.jsonl, in the server's store and in the ranks' log.
+The client array is suspended from step 2 until the save, so that the run cannot finish before Slurm gets
+round to the preemption.
 """
 
 from __future__ import annotations
