@@ -503,7 +503,18 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
     log.info(
         "client %s[%d] (job %s, pid %d) on node %s", group.name, index, job.job_id, os.getpid(), job.node
     )
-    worker = GroupTask(run, group, index, episode_repeats(topology, group))
+    try:
+        worker = GroupTask(run, group, index, episode_repeats(topology, group))
+    except (OSError, StoreError) as exc:  # a full disk or quota, a live writer elsewhere: nothing ran yet
+        log.error(
+            "client %s[%d] stops (exit %d) before any episode: its store cannot be opened: %s. Free space "
+            "(or stop the other writer); a restart or requeue resumes from the last commit",
+            group.name,
+            index,
+            EXIT_STORE_FAILED,
+            exc,
+        )
+        return EXIT_STORE_FAILED
     restore_handler = _stop_on_sigterm(worker)
     try:
         tally = worker.run()

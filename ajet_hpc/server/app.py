@@ -79,8 +79,13 @@ class ServerContext:
         self.episodes.on_closed(recorder.submit)
 
     def attach_trainer(self, coordinator: Any) -> None:
+        """The trainer's collector takes each finished episode once it is in the store (see
+        ``EpisodeRecorder.on_written``); without a store (tests), once it is closed."""
         self.coordinator = coordinator
-        self.episodes.on_closed(coordinator.collector.add)
+        if self.recorder is not None:
+            self.recorder.on_written(coordinator.collector.add)
+        else:
+            self.episodes.on_closed(coordinator.collector.add)
 
     @property
     def step(self) -> int:

@@ -7,15 +7,23 @@ A record whose append fails (a full disk, a quota) is kept, in order, and writte
 record and every ``RETRY_S`` meanwhile: once space is back nothing is lost. Until then ``written`` says
 False (the episode API answers an end with 503 instead of a success the store does not back) and
 ``unwritten_ids`` names the episodes still waiting (left out of the ended keys a client may commit).
+
+``on_written`` callbacks (the trainer's batch collector) get each episode once it is in the store, on the
+event loop that closed it: nothing is trained that a server dying on a full disk would not find again in its
+store at restart, so no episode is trained, lost and run again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRecord
 
@@ -23,6 +31,15 @@ log = logging.getLogger(__name__)
 _STOP = object()
 WRITE_WAIT_S = 120.0
 RETRY_S = 5.0  # a failed append is tried again this often, and before the next record
+
+
+@dataclass(frozen=True)
+class _Closed:
+    """A closed episode on its way to the store, with what to tell once it is there."""
+
+    record: EpisodeRecord
+    episode: Any  # ajet_hpc.server.episodes.Episode
+    loop: asyncio.AbstractEventLoop | None  # the loop that closed it (the callbacks run there)
 
 
 class EpisodeRecorder:
@@ -33,15 +50,26 @@ class EpisodeRecorder:
         self.failed = 0  # appends that failed (each retried until it is written)
         self._unwritten: list = []  # records whose append failed, oldest first (the recorder thread's)
         self._unwritten_ids: frozenset[str] = frozenset()  # their episode ids, for other threads
+        self._on_written: list[Callable[[Any], None]] = []
         self._thread = threading.Thread(target=self._drain, name="episode-recorder", daemon=True)
         self._thread.start()
 
+    def on_written(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(episode)`` for each submitted episode once it is in the store (on the event loop
+        that submitted it, else on the recorder's thread)."""
+        self._on_written.append(callback)
+
     def submit(self, episode) -> None:
         """Queue a closed episode (``ajet_hpc.server.episodes.Episode``) for the store."""
-        self.submit_record(EpisodeRecord.from_episode(episode))
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._queue.put(_Closed(EpisodeRecord.from_episode(episode), episode, loop))
 
     def submit_record(self, record: EpisodeRecord) -> None:
-        self._queue.put(record)
+        """Queue an episode's record alone (no callbacks)."""
+        self._queue.put(_Closed(record, None, None))
 
     def submit_step(self, record: StepRecord) -> None:
         self._queue.put(record)
@@ -73,7 +101,7 @@ class EpisodeRecorder:
                 if isinstance(item, StepRecord):
                     self.writer.append_step(item)
                 else:
-                    self.writer.append_episode(item)
+                    self.writer.append_episode(item.record)
             except Exception as error:
                 self.failed += 1
                 if self.failed == 1 or self.failed % 100 == 0:
@@ -89,9 +117,19 @@ class EpisodeRecorder:
                 )
                 break
             self._unwritten.pop(0)
+            if isinstance(item, _Closed) and item.episode is not None:
+                self._tell_written(item)
         self._unwritten_ids = frozenset(
-            item.episode_id for item in self._unwritten if not isinstance(item, StepRecord)
+            item.record.episode_id for item in self._unwritten if isinstance(item, _Closed)
         )
+
+    def _tell_written(self, item: _Closed) -> None:
+        for callback in self._on_written:
+            if item.loop is None:
+                callback(item.episode)
+                continue
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server stops, nothing trains
+                item.loop.call_soon_threadsafe(callback, item.episode)
 
     def unwritten_ids(self) -> frozenset[str]:
         """The episodes closed but not yet in the store (their appends failed and are being retried)."""

@@ -76,3 +76,23 @@ def test_a_runner_stops_when_its_store_is_full_and_resumes_after(tmp_path: Path)
         except subprocess.TimeoutExpired:
             server.kill()
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_runner_whose_store_cannot_even_be_created_stops_with_the_store_exit(tmp_path: Path) -> None:
+    """Full before the first episode: the runner names the problem and exits with ``EXIT_STORE_FAILED``
+    (requeue-worthy), not a traceback and exit 1. No server is needed: the store opens first."""
+    run = tmp_path / "run"
+    topology = write_topology(tmp_path, topology_dict(run, array=1))
+    done = run_module("ajet_hpc.launch", str(topology), "--no-submit")
+    assert done.returncode == 0, done.stderr + done.stdout
+    folder = run / "data" / "clients" / "math"
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], check=True)
+    try:
+        fill_disk(folder, 0)
+        first = _runner(run)
+        assert first.returncode == EXIT_STORE_FAILED, first.stderr[-4000:]
+        assert "its store cannot be opened" in first.stderr and "No space left on device" in first.stderr
+        assert "Traceback" not in first.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)

@@ -125,6 +125,41 @@ ARGUMENTS = st.one_of(  # a tool call's arguments: JSON text, mostly
 )
 
 
+def explicit_calls() -> list[dict[str, Any]]:
+    """Model calls every run sends (the episode caller, after the drawn ones): the hostile shapes a random
+    draw reaches only sometimes, each of which once cost the server a 500 or seconds of its event loop."""
+    hello = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    calls = [
+        {"messages": [*hello] * 5000},  # beyond serving.max_messages
+        {"messages": [{"role": "user", "content": str(i)} for i in range(800)]},  # many short ones
+        {"messages": hello, "tools": [tool] * 5000},
+        {"messages": hello, "stop": ["x"] * 1000},
+        {"messages": hello, "stop": ["x" * 100_000]},
+        {"messages": [{"role": "user", "content": "a\udfffb"}]},
+        {"messages": hello, "metadata": {"note": "\ud800"}},
+        {"messages": hello, "max_tokens": 2**70},
+        {"messages": hello, "temperature": math.nan},
+    ]
+    calls += [
+        {
+            "messages": [
+                *hello,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "ok"},
+            ]
+        }
+        for text in NESTED
+    ]
+    return [{"model": MODEL, "max_tokens": 4, **call} for call in calls]
+
+
 # ---------------------------------------------------------------------------- schema -> strategies
 def from_schema(
     schema: dict[str, Any], defs: dict[str, Any], name: str = "", clean: bool = False
@@ -480,6 +515,11 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
 
     try:
         one()
+        if kind == "episode":
+            chat = next(op for op in ops if op.method == "POST" and op.path == "/v1/chat/completions")
+            for call in explicit_calls():
+                headers, _ = credentials(server, kind)
+                send(http, log, chat, chat.path, headers, json.dumps(call, allow_nan=True).encode())
         try:  # the server answers afterwards (a failure here joins the others in the report)
             health = http.get("/health", timeout=10)
             if health.status_code != 200:

@@ -75,13 +75,16 @@ def test_an_end_the_store_cannot_take_is_answered_503_and_not_offered_for_commit
     harness: Harness, small_disk: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the real API: an end whose episode the store cannot take yet gets 503 ``store_unavailable``
-    (not a success a client would commit), its key is left out of ``/v1/episodes/ended``, and the same end
-    again, once space is back, answers the recorded result."""
+    (not a success a client would commit), its key is left out of ``/v1/episodes/ended``, nothing is handed
+    to training (``on_written``: the trainer's collector), and the same end again, once space is back,
+    answers the recorded result."""
     monkeypatch.setattr(recorder_module, "RETRY_S", 0.5)
     server = harness.serve()
     EpisodeWriter(small_disk / "policy.h5", chunk_tokens=1024).close()
     recorder = EpisodeRecorder(small_disk / "policy.h5")
     server.ctx.attach_recorder(recorder)
+    trainable: list[tuple[str, bool]] = []  # (episode id, on the server's event loop thread)
+    recorder.on_written(lambda episode: trainable.append((episode.episode_id, _on_a_loop())))
     try:
         ballast = fill_disk(small_disk, 600_000)
         filler = 0
@@ -95,10 +98,12 @@ def test_an_end_the_store_cannot_take_is_answered_503_and_not_offered_for_commit
         assert reply.json()["error"]["code"] == "store_unavailable"
         ended = httpx.get(f"{server.url}/v1/episodes/ended", params={"group": "math"}, headers=server.admin)
         assert ended.json()["ended"] == []  # not in the store: no client may commit it yet
+        assert trainable == []  # nor may the trainer take it: a server dying now would not find it again
         ballast.unlink()
         deadline = time.monotonic() + 30
-        while recorder.unwritten_ids() and time.monotonic() < deadline:
+        while not trainable and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert trainable == [(begun["episode_id"], True)]
         again = server.end(begun["episode_id"], 1.0, group="math", task_id="t1", repeat=0)
         assert again.status_code == 200 and again.json()["duplicate"] is True, again.text
         ended = httpx.get(f"{server.url}/v1/episodes/ended", params={"group": "math"}, headers=server.admin)
@@ -108,3 +113,11 @@ def test_an_end_the_store_cannot_take_is_answered_503_and_not_offered_for_commit
     with EpisodeReader(small_disk / "policy.h5") as reader:
         ids = [s["episode_id"] for s in reader.summaries()]
     assert ids.count(begun["episode_id"]) == 1 and len(ids) == filler + 1
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -42,6 +42,8 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from proxy import server_env  # noqa: E402  (the same environment as the proxy benchmark's servers)
+
 from ajet_hpc.client.handshake import fetch_run_token  # noqa: E402
 from ajet_hpc.storage import rendezvous  # noqa: E402
 from ajet_hpc.storage.episode_store import EpisodeReader  # noqa: E402
@@ -87,24 +89,12 @@ def write_run(workdir: Path, engine: str, max_tokens: int) -> Path:
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=_env(),
+        env=server_env(),
         check=False,
     )
     if done.returncode != 0:
         raise SystemExit(f"launch --no-submit failed:\n{done.stdout}\n{done.stderr}")
     return run
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    return env
 
 
 @dataclass
@@ -127,7 +117,7 @@ def start_server(run: Path, timeout_s: float = 300) -> Server:
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env=server_env(),
             start_new_session=True,
         )
     server = Server(popen, log)
