@@ -307,7 +307,9 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         coordinator.rank_env = step_env
         coordinator.stored = stored
         coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
-        coordinator.collector.ended_count = ctx.episodes.ended_count
+        coordinator.collector.ended_count = lambda group, task: (  # ended, less those not yet in the store
+            ctx.episodes.ended_count(group, task) - ctx.recorder.waiting(group, task)
+        )
         coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
         ctx.attach_trainer(coordinator)
     server = GracefulServer(

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ class EpisodeRecorder:
         self._unwritten: list = []  # records whose append failed, oldest first (the recorder thread's)
         self._unwritten_ids: frozenset[str] = frozenset()  # their episode ids, for other threads
         self._on_written: list[Callable[[Any], None]] = []
+        self._waiting: Counter[tuple[str, str]] = Counter()  # (group, task): closed, not yet handed on
+        self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._drain, name="episode-recorder", daemon=True)
         self._thread.start()
 
@@ -65,7 +68,16 @@ class EpisodeRecorder:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
+        with self._waiting_lock:
+            self._waiting[_task_of(episode)] += 1
         self._queue.put(_Closed(EpisodeRecord.from_episode(episode), episode, loop))
+
+    def waiting(self, group: str, task_id: str) -> int:
+        """Episodes of a task closed but not yet handed to the ``on_written`` callbacks: the trainer's
+        collector counts them as still coming (else a task group whose other repeats are on their way to
+        the store would look as if they can no longer arrive)."""
+        with self._waiting_lock:
+            return self._waiting[(group, task_id)]
 
     def submit_record(self, record: EpisodeRecord) -> None:
         """Queue an episode's record alone (no callbacks)."""
@@ -124,12 +136,21 @@ class EpisodeRecorder:
         )
 
     def _tell_written(self, item: _Closed) -> None:
+        if item.loop is None:
+            self._hand_on(item.episode)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server stops, nothing trains
+            item.loop.call_soon_threadsafe(self._hand_on, item.episode)
+
+    def _hand_on(self, episode) -> None:
+        """On the loop that closed ``episode``: no longer waiting, and given to the callbacks, in one go."""
+        with self._waiting_lock:
+            key = _task_of(episode)
+            self._waiting[key] -= 1
+            if self._waiting[key] <= 0:
+                del self._waiting[key]
         for callback in self._on_written:
-            if item.loop is None:
-                callback(item.episode)
-                continue
-            with contextlib.suppress(RuntimeError):  # a closed loop: the server stops, nothing trains
-                item.loop.call_soon_threadsafe(callback, item.episode)
+            callback(episode)
 
     def unwritten_ids(self) -> frozenset[str]:
         """The episodes closed but not yet in the store (their appends failed and are being retried)."""
@@ -158,6 +179,10 @@ class EpisodeRecorder:
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
         self.writer.close()
+
+
+def _task_of(episode) -> tuple[str, str]:
+    return (episode.group or "", episode.task_id or episode.episode_id)
 
 
 def _resolve(future: asyncio.Future, stored: bool) -> None:
