@@ -287,6 +287,16 @@ class ServingConfig(BaseModel):
     tls_keyfile: str | None = Field(
         default=None, min_length=1, description="PEM private key of tls_certfile (uvicorn's ssl_keyfile)."
     )
+    keep_alive_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long the server keeps an idle client connection open (uvicorn's "
+        "timeout_keep_alive). Longer than the clients' own keep-alive (httpx: 5 s), so that the client, not "
+        "the server, closes an idle connection: a server that closes one as a request arrives on it leaves "
+        "that request unanswered.",
+    )
 
 
 class VllmConfig(BaseModel):

@@ -319,6 +319,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             access_log=False,
             ssl_certfile=tls.tls_certfile,
             ssl_keyfile=tls.tls_keyfile,
+            timeout_keep_alive=config.serving.keep_alive_s,
         )
     )
     record = rendezvous.Rendezvous(
