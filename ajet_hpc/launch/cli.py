@@ -32,9 +32,9 @@ log = logging.getLogger("ajet_hpc.launch")
 EXIT_BAD_INPUT = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ajet_hpc.launch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ajet_hpc.launch",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -249,9 +249,9 @@ def _dry_run_backend(topology: Topology) -> str:
     return topology.cluster.backend
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.launch") -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     try:
         if swap.requested(args):
             return swap.main(args)
