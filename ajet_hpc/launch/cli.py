@@ -16,7 +16,14 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ajet_hpc.config import ConfigError, Topology, check_partitions, dump_topology, load_topology
+from ajet_hpc.config import (
+    ClusterConfig,
+    ConfigError,
+    Topology,
+    check_partitions,
+    dump_topology,
+    load_topology,
+)
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch import registry, runtimes, slurmcli, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
@@ -223,23 +230,37 @@ def hand_commands(topology: Topology, run: RunDir, pythons: Mapping[str, str] | 
     ``pythons`` maps a client group to its runtime's python, which reaches the script as ``AJET_PYTHON``.
     """
     logs = run.logs_dir
+    common = " ".join(cluster_sbatch_options(topology.cluster))
     lines = []
     for server in topology.servers:
         gpus = f" --gpus-per-node={server.gpus_per_node}" if server.gpus_per_node else ""
         lines.append(
-            f"sbatch -p {server.partition} --nodes={server.nodes}{gpus} --cpus-per-task={server.cpus} "
-            f"--mem={server.mem} --time={server.time} --output={logs}/%x-%j.out "
-            f"sbatch/server.sbatch {run.root} {server.name}"
+            f"sbatch {common} -p {server.partition} --nodes={server.nodes}{gpus} "
+            f"--cpus-per-task={server.cpus} --mem={server.mem} --time={server.time} "
+            f"--output={logs}/%x-%j.out sbatch/server.sbatch {run.root} {server.name}"
         )
     for group in topology.clients:
         python = (pythons or {}).get(group.name)
         export = f"--export={shlex.quote(f'ALL,AJET_PYTHON={python}')} " if python else ""
         lines.append(
-            f"sbatch {export}-p {group.partition} --array=0-{group.array - 1} --cpus-per-task={group.cpus} "
+            f"sbatch {export}{common} -p {group.partition} --array=0-{group.array - 1} "
+            f"--cpus-per-task={group.cpus} "
             f"--mem={group.mem} --time={group.time} --output={logs}/%x-%A_%a.out "
             f"sbatch/clients.sbatch {run.root} {group.name}"
         )
     return lines
+
+
+def cluster_sbatch_options(cluster: ClusterConfig) -> list[str]:
+    """The options every hand-written job gets from ``cluster``, as submitit gives them to its jobs: the
+    checkpoint signal ``signal_delay_s`` ahead (over the scripts' default), account, qos and the extra
+    ``cluster.sbatch`` options. (``cluster.setup`` reaches the scripts as ``RUN/setup.sh``.)"""
+    options = [f"--signal=B:USR2@{cluster.signal_delay_s}"]
+    options += [
+        f"--{name}={value}" for name, value in (("account", cluster.account), ("qos", cluster.qos)) if value
+    ]
+    options += [f"--{key}={shlex.quote(str(value))}" for key, value in cluster.sbatch.items()]
+    return options
 
 
 def _dry_run_backend(topology: Topology) -> str:
