@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ajet_hpc.config.errors import ConfigError, ConfigIssue
 from ajet_hpc.config.fields import (
@@ -49,6 +49,17 @@ class RunConfig(BaseModel):
         min_length=1,
         description="Run directory on shared storage; default runs/<name> relative to the working directory.",
     )
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where each server also logs its metrics rows: 'jsonl' (RUN/metrics.jsonl, always), "
+        "'tensorboard' (RUN/tensorboard), 'wandb' (offline by default: RUN/wandb), 'mlflow' (file store "
+        "RUN/mlruns). The libraries are extras: pip install 'ajet_hpc[wandb]'.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _jsonl_always(cls, value: list[str]) -> list[str]:
+        return ["jsonl", *(name for name in dict.fromkeys(value) if name != "jsonl")]
 
     def resolve_dir(self, cwd: Path | None = None) -> Path:
         """The absolute run directory; a relative one is taken from ``cwd`` (default: working directory)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from ajet_hpc.config import (
     ClusterConfig,
     ConfigError,
+    ConfigIssue,
     Topology,
     check_partitions,
     dump_topology,
@@ -34,6 +35,7 @@ from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.launch.supervise import supervise
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage.rundir import RunDir, RunDirError
+from ajet_hpc.trainer import trackers
 
 log = logging.getLogger("ajet_hpc.launch")
 EXIT_BAD_INPUT = 2
@@ -166,6 +168,9 @@ def launch(args: argparse.Namespace) -> int:
     too_big = fit_issues(topology)
     if too_big:
         raise ConfigError(too_big)
+    absent = trackers.missing(topology.run.trackers)  # before anything is written or submitted
+    if absent:
+        raise ConfigError(ConfigIssue("run.trackers", message) for message in absent)
     backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)
     if backend_name == "slurm" and slurmcli.available():
         check_partitions(topology, slurmcli.partitions())
