@@ -607,6 +607,29 @@ class Append:
     columns: dict[str, np.ndarray]
 
 
+def join_appends(appends: list[Append]) -> Append:
+    """Several appends as one (a commit group): counts summed, rows, offsets' lengths and column values
+    concatenated in order. Episodes and steps may be mixed (their spaces are disjoint)."""
+    if len(appends) == 1:
+        return appends[0]
+    counts: dict[str, int] = {}
+    rows: dict[str, list[np.ndarray]] = {}
+    lengths: dict[str, list[np.ndarray]] = {}
+    columns: dict[str, list[np.ndarray]] = {}
+    for append in appends:
+        for space, n in append.counts.items():
+            counts[space] = counts.get(space, 0) + n
+        for out, part in ((rows, append.rows), (lengths, append.lengths), (columns, append.columns)):
+            for name, values in part.items():
+                out.setdefault(name, []).append(values)
+    return Append(
+        counts=counts,
+        rows={name: np.concatenate(parts) for name, parts in rows.items()},
+        lengths={name: np.concatenate(parts) for name, parts in lengths.items()},
+        columns={name: np.concatenate(parts) for name, parts in columns.items()},
+    )
+
+
 def _json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_plain).encode()
 
