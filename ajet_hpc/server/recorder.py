@@ -121,11 +121,13 @@ class EpisodeRecorder:
     def _gather(self, first: Any) -> list:
         """``first`` and what follows it in the queue, up to ``commit_max`` records: a group. Stops at once
         when the queue is empty after a lone record; with several, waits for more until
-        ``commit_interval_s`` after ``first``."""
+        ``commit_interval_s`` after ``first``. A flush (or close) ends the group: its caller waits for it.
+        ``written()`` markers do not: every end posts one, and ends arriving together are what a group
+        gathers."""
         items = [first]
         records = int(_is_record(first))
         deadline = time.monotonic() + self.commit_interval_s
-        while items[-1] is not _STOP and records < self.commit_max:
+        while not _ends_group(items[-1]) and records < self.commit_max:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -218,6 +220,10 @@ class EpisodeRecorder:
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
         self.writer.close()
+
+
+def _ends_group(item: Any) -> bool:
+    return item is _STOP or isinstance(item, threading.Event)
 
 
 def _is_record(item: Any) -> bool:
