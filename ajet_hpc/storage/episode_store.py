@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,7 @@ log = logging.getLogger(__name__)
 
 _SPACE = {space: i for i, space in enumerate(SPACES)}
 _BATCH = 8192  # episodes / steps parsed per read when building summaries
+_COMPRESS_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # threads compressing a group's chunks
 
 
 @dataclass
@@ -170,6 +172,7 @@ class EpisodeWriter:
         self._closed = False  # close() was called, or the lease was taken over
         self._failure: str | None = None  # why the file is let go of, after a failed append
         self.stats = WriterStats()
+        self._pool: ThreadPoolExecutor | None = None  # compresses filled chunks (created on first use)
         key = os.path.realpath(self.path)
         with _OPEN_WRITERS_LOCK:
             if key in _OPEN_WRITERS:
@@ -347,8 +350,14 @@ class EpisodeWriter:
         new = old.copy()
         for space, n in encoded.counts.items():
             new[_SPACE[space]] += n
-        sealed = [self._columns[name].stage(values) for name, values in encoded.columns.items()]
-        if any(sealed):  # a tail slot may be reused next: readers must see the seal first
+        full = [
+            (self._columns[name], k, data)
+            for name, values in encoded.columns.items()
+            for k, data in self._columns[name].stage(values)
+        ]
+        if full:  # a tail slot may be reused next: readers must see the seal first
+            for (column, k, _), compressed in zip(full, self._compress(full), strict=True):
+                column.seal(k, compressed)
             f.flush()
             self._write_sealed()
             f.flush()
@@ -370,6 +379,15 @@ class EpisodeWriter:
         self.stats.commits += 1
         self.stats.episodes += encoded.counts.get("episodes", 0)
         self.stats.steps += encoded.counts.get("steps", 0)
+
+    def _compress(self, full: list[tuple[SealedColumn, int, np.ndarray]]) -> list[bytes]:
+        """The filled chunks compressed, on a few threads when there are several (a commit group fills
+        many; zlib releases the GIL, and compression is most of an append's CPU time)."""
+        if len(full) == 1 or _COMPRESS_THREADS == 1:
+            return [column.compress(data) for column, _, data in full]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_COMPRESS_THREADS, thread_name_prefix="store-compress")
+        return list(self._pool.map(lambda job: job[0].compress(job[2]), full))
 
     def _on_lease_lost(self) -> None:
         """Called by the heartbeat thread when another process took the lease over."""
@@ -406,6 +424,8 @@ class EpisodeWriter:
                         )
                         self._let_go(self._file, self._fd)
                     self._file = None
+        if self._pool is not None:
+            self._pool.shutdown()
         self._lease.release()
         self._release()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 import h5py
+import numpy as np
 import pytest
 from test_episode_store import make_record, make_step
 
@@ -28,7 +29,7 @@ from ajet_hpc.storage.episode_store import (
     StoreError,
     UnstorableRecord,
 )
-from ajet_hpc.storage.h5_layout import OFFSETS, ROWS
+from ajet_hpc.storage.h5_layout import OFFSETS, ROWS, _cat
 
 
 def _records(rng: random.Random, n: int) -> list[EpisodeRecord | StepRecord]:
@@ -206,3 +207,29 @@ def test_a_writer_killed_at_random_points_keeps_every_acknowledged_group(tmp_pat
         assert len(reader) == stored + 2
         assert reader.episode(f"ep-{stored + 1}") == make_record(stored + 1)
         assert reader.episode(f"ep-{stored - 1}") == _big(stored - 1)
+
+
+def test_the_fast_conversion_of_lists_matches_numpy() -> None:
+    """``_cat`` converts lists of ids and masks without numpy; the reference is numpy's own conversion
+    (what it did before), for random values at the edges of each type, and refuses what numpy refuses."""
+    rng = random.Random(5)
+    pools = {
+        np.int32: [0, 1, -1, 2**31 - 1, -(2**31), 50_000, True, np.int64(7)],
+        np.int8: [0, 1, 2, 3, 127, True, np.int64(1)],
+    }
+    for dtype, pool in pools.items():
+        for _ in range(200):
+            parts = [[rng.choice(pool) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(1, 4))]
+            fast = _cat(parts, dtype)
+            assert (
+                fast.dtype == dtype
+                and fast.tolist() == np.concatenate([np.asarray(p, dtype) for p in parts]).tolist()
+            )
+    for dtype, odd in ((np.int32, [1.5, 2]), (np.int8, [-1, 2]), (np.int8, [200]), (np.int32, [2**31])):
+        try:
+            expected = np.concatenate([np.asarray([1], dtype), np.asarray(odd, dtype)]).tolist()
+        except (OverflowError, ValueError) as error:
+            with pytest.raises(type(error)):
+                _cat([[1], odd], dtype)
+        else:
+            assert _cat([[1], odd], dtype).tolist() == expected
