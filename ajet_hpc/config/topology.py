@@ -336,6 +336,35 @@ class VllmConfig(BaseModel):
     )
 
 
+class StoreConfig(BaseModel):
+    """How the server commits closed episodes to its store (``RUN/data/<model>.h5``, docs/storage.md)."""
+
+    model_config = _MODEL_CONFIG
+
+    commit_interval_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=10_000,
+        allow_inf_nan=False,
+        description="Longest a commit group waits for more episodes after its first one, while more keep "
+        "arriving (a lone episode is committed at once); episodes of one group share one fsync. 0: never "
+        "wait, group only what is already queued.",
+    )
+    commit_max_episodes: int = Field(
+        default=64,
+        ge=1,
+        le=65_536,
+        description="Most records (episodes, training steps) committed as one group.",
+    )
+
+    def recorder_settings(self) -> dict[str, float | int]:
+        """The keyword arguments of ``ajet_hpc.server.recorder.EpisodeRecorder``."""
+        return {
+            "commit_interval_ms": self.commit_interval_ms,
+            "commit_max_episodes": self.commit_max_episodes,
+        }
+
+
 class ServerConfig(BaseModel):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""
 
@@ -383,6 +412,9 @@ class ServerConfig(BaseModel):
     )
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
     serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits, episode settings.")
+    store: StoreConfig = Field(
+        default=StoreConfig(), description="Group commit of the server store (docs/storage.md)."
+    )
     trainer: TrainerConfig | None = Field(
         default=TrainerConfig(),
         description="Trainer settings of this model; null serves it without training.",

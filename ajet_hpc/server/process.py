@@ -294,7 +294,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         job_id=job.job_id,
         public_url=f"{scheme}://{host}:{port}",
     )
-    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
+    store = config.store  # group commit: episodes ending together share one fsync (docs/storage.md)
+    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5", **store.recorder_settings()))
     stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
     restored = ctx.episodes.restore_ended(stored)
     if restored:
