@@ -206,11 +206,14 @@ def _text_cut(
     to find the candidate (widening steps, then bisection), and one decode of ``target[:k]`` confirms it;
     the confirmation is what makes the cut exact (a decode need not be the concatenation of its parts:
     byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails, the
-    cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes), still confirmed.
+    cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and confirmed,
+    stepping over the tokens of a character split into bytes (its partial prefixes decode to as many
+    characters, a replacement character last): a cut never ends inside a character.
     """
     ids = list(ids)
     d = _common_prefix(ids, target)
-    need = len(decode(ids[d:]))
+    tail = decode(ids[d:])
+    need = len(tail)
     if need > 0 and d < len(target):
 
         def width(k: int) -> int:  # characters spelled by target[d:k]
@@ -222,11 +225,19 @@ def _text_cut(
             low, step = high, step * 2
             high = min(d + step, len(target))
         k = low + 1 + bisect.bisect_left(_Lengths(width, low + 1, high + 1), need)
-        if k <= len(target) and decode(target[:k]) == text:
-            return k
-    k = bisect.bisect_left(_Lengths(lambda k: len(decode(target[:k])), 1, len(target) + 1), len(text))
-    if k < len(target) and decode(target[: k + 1]) == text:
-        return k + 1
+        for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
+            window = decode(target[d:end])
+            if window == tail and decode(target[:end]) == text:
+                return end
+            if len(window) != need:
+                break
+    k = 1 + bisect.bisect_left(_Lengths(lambda k: len(decode(target[:k])), 1, len(target) + 1), len(text))
+    for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
+        prefix = decode(target[:end])
+        if prefix == text:
+            return end
+        if len(prefix) != len(text):  # past it, or a character that the text ends inside of
+            break
     return None
 
 

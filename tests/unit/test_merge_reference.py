@@ -372,3 +372,66 @@ def test_merging_and_packing_equal_the_reference_on_random_episodes(tokenizer, s
         assert merge.pack_tree(calls) == ref_pack_tree(calls), f"seed {seed}"
     # the episodes reach what they are meant to: duplicates, and text-level merges over other tokens
     assert seen.get("token:duplicate", 0) > 0 and seen.get("text:text_trusted", 0) > 0, seen
+
+
+def byte_characters() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (Qwen's too): the character that stands for each byte in the vocabulary."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def test_a_text_cut_never_ends_inside_a_character_split_over_byte_tokens() -> None:
+    """Byte-level tokens can spell one character in pieces: each partial prefix decodes with a replacement
+    character, as long as the text. The reference cut by length alone, inside the character (training the
+    call's ids followed by the rest of the character's bytes); the cut now comes after the last piece."""
+    tokenizer = tiny_qwen.build_tokenizer()
+    byte_token = byte_characters()
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt = enc("<|im_start|>user\nsmile<|im_end|>\n<|im_start|>assistant\n")
+    pieces = [tokenizer.convert_tokens_to_ids(byte_token[b]) for b in "🙂".encode()]
+    first = Sample(
+        prompt + enc("ok 🙂"),
+        [0] * len(prompt) + [1] * len(enc("ok 🙂")),
+        [0.0] * len(prompt) + [-0.5] * len(enc("ok 🙂")),
+        [0.0] * len(prompt) + [1.0] * len(enc("ok 🙂")),
+        0,
+        "ep",
+        "task",
+        calls=[0],
+    )
+    later = prompt + enc("ok ") + pieces + enc(" fine<|im_end|>")
+    second = Sample(
+        later,
+        [0] * (len(later) - 2) + [1, 1],
+        [0.0] * (len(later) - 2) + [-0.1, -0.1],
+        [0.0] * (len(later) - 2) + [1.0, 1.0],
+        0,
+        "ep",
+        "task",
+        calls=[1],
+    )
+    assert len(pieces) == 4 and decode(later).startswith(decode(first.token_ids))
+
+    (merged,), snaps = merge.merge_linear([first, second], level=merge.TEXT, decode=decode)
+    assert [s.reason for s in snaps] == [merge.TEXT_TRUSTED]
+    assert merged.token_ids == first.token_ids + enc(" fine<|im_end|>")  # after the character's 4 pieces
+    assert decode(merged.token_ids) == decode(later)
+    (old,), _ = ref_merge_linear([first, second], level=merge.TEXT, decode=decode)
+    assert decode(old.token_ids) != decode(later)  # the reference cut after the first piece
