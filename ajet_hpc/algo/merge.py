@@ -211,7 +211,7 @@ def _text_cut(
     characters, a replacement character last): a cut never ends inside a character.
     """
     ids = list(ids)
-    d = _common_prefix(ids, target)
+    d = common_prefix(ids, target)
     tail = decode(ids[d:])
     need = len(tail)
     if need > 0 and d < len(target):
@@ -254,7 +254,7 @@ class _Lengths:
         return self.length(self.start + index)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     """How many first items the lists ``a`` and ``b`` share, by bisection over slice comparisons (which
     run in C): about two passes over the shared part."""
     low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part at or before high
