@@ -1,9 +1,10 @@
-"""The fast merging of ``ajet_hpc.algo.merge`` against the code it replaced (kept below as the slow
-reference), on seeded random episodes written with the built-in models' real tokenizers: shared prefixes,
-forks, duplicate answers, summarised contexts, answers re-tokenized in the next prompt (text-level merges),
-answers without a stop token glued to the next text (no clean cut), loss masks with holes, per-token
-weights. Every merge (token and text level, special tokens decoded or skipped) and every packed tree must
-equal the reference's: the same samples, the same snaps, in the same order.
+"""The fast merging of ``ajet_hpc.algo.merge`` (and the snap explanations of ``trainer.samples``) against
+the code it replaced (kept below as the slow reference), on seeded random episodes written with the
+built-in models' real tokenizers: shared prefixes, forks, duplicate answers, summarised contexts, answers
+re-tokenized in the next prompt (text-level merges), answers without a stop token glued to the next text
+(no clean cut), loss masks with holes, per-token weights. Every merge (token and text level, special
+tokens decoded or skipped) and every packed tree must equal the reference's: the same samples, the same
+snaps, in the same order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.samples import Sample
 from ajet_hpc.engine import tiny, tiny_qwen
+from ajet_hpc.tracking.timeline import Timeline
+from ajet_hpc.trainer import samples as trainer_samples
 
 # ---------------------------------------------------------------------------------------------------------
 # The reference: merge_linear and pack_tree as they were before they were made linear (per-token loops,
@@ -435,3 +438,91 @@ def test_a_text_cut_never_ends_inside_a_character_split_over_byte_tokens() -> No
     assert decode(merged.token_ids) == decode(later)
     (old,), _ = ref_merge_linear([first, second], level=merge.TEXT, decode=decode)
     assert decode(old.token_ids) != decode(later)  # the reference cut after the first piece
+
+
+def ref_explain_snaps(episode_id, timelines, merged, decode=None) -> list[merge.Snap]:
+    """``trainer.samples.explain_snaps`` before: message keys rebuilt per pair of calls, a per-token loop."""
+    absorbed_into = {}
+    for sample in merged:
+        for call in sample.calls:
+            absorbed_into[call] = sample
+    snaps = []
+    for k, earlier in enumerate(timelines):
+        mine = [trainer_samples._message_key(m) for m in earlier.messages]
+        later = None
+        for index, timeline in enumerate(timelines[k + 1 :]):
+            request = timeline.messages[:-1]
+            if (
+                len(request) > len(mine)
+                and [trainer_samples._message_key(m) for m in request[: len(mine)]] == mine
+            ):
+                later = index
+                break
+        if later is None:
+            continue
+        j = k + 1 + later
+        if absorbed_into.get(k) is absorbed_into.get(j):
+            continue
+        if trainer_samples._tools_key(earlier.tools) != trainer_samples._tools_key(timelines[j].tools):
+            reason = merge.TOOLS_CHANGED
+        elif any(event.kind == merge.TEMPLATE_DROPPED_CONTENT for event in timelines[j].drift):
+            reason = merge.TEMPLATE_DROPPED_CONTENT
+        elif trainer_samples._text_prefix(earlier, timelines[j], decode):
+            reason = merge.TOKENS_DIFFERED
+        else:
+            reason = merge.TEXT_DIFFERED
+        ids, other = earlier.token_ids, timelines[j].token_ids
+        parted = next((p for p, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), len(ids))
+        snaps.append(merge.Snap(episode_id, k, j, reason, parted))
+    return snaps
+
+
+def test_snap_explanations_equal_the_reference_on_random_conversations() -> None:
+    rng = random.Random(0)
+    total = 0
+    for _ in range(300):
+        messages, ids, timelines = [{"role": "system", "content": "s"}], [1, 2], []
+        for _ in range(rng.randint(1, 8)):
+            messages = [*messages, {"role": rng.choice(["user", "tool"]), "content": rng.choice("abc")}]
+            reply = {"role": "assistant", "content": rng.choice("xyz") + " "}
+            ids = ids + [rng.randint(0, 5) for _ in range(rng.randint(1, 4))]
+            r = rng.randint(1, 3)
+            timelines.append(
+                Timeline(
+                    ids[:-r],
+                    ids[-r:],
+                    [0.0] * r,
+                    [0] * len(ids),
+                    [0] * (len(ids) - r) + [1] * r,
+                    [*messages, reply],
+                    rng.choice([None, [{"name": "f"}]]),
+                    0,
+                    "stop",
+                )
+            )
+            if rng.random() < 0.7:  # the conversation goes on from the reply
+                messages = [*messages, reply]
+            if rng.random() < 0.3:  # the prompt's tokens part from the earlier ones
+                ids = [*ids[: rng.randint(1, len(ids))], 9]
+        merged = [
+            Sample(
+                t.token_ids,
+                [0] * len(t.token_ids),
+                [0.0] * len(t.token_ids),
+                [0.0] * len(t.token_ids),
+                0,
+                "e",
+                "t",
+                calls=[i],
+            )
+            for i, t in enumerate(timelines)
+            if rng.random() < 0.6
+        ]
+
+        def decode(ids: list[int]) -> str:
+            return "".join(chr(97 + i) for i in ids)
+
+        got = trainer_samples.explain_snaps("e", timelines, merged, decode)
+        assert got == ref_explain_snaps("e", timelines, merged, decode)
+        total += len(got)
+    assert total > 100  # the conversations do leave calls unmerged
