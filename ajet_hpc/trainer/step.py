@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ajet_hpc.algo.grpo import entropy_from_logits, policy_loss, token_logprobs
+from ajet_hpc.algo.grpo import policy_loss
+from ajet_hpc.algo.output_layer import model_logprobs
 from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import shard_by_tokens
@@ -72,12 +73,19 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
         batch = {
             k: v.to(models.device) for k, v in collate([samples[i] for i in micro.indices], pad_id).items()
         }
-        logits = engine(**model_inputs(batch, attention, dtype)).logits
-        logprobs = token_logprobs(logits, batch["input_ids"], batch.get("parents"))
+        inputs = model_inputs(batch, attention, dtype)
+        logprobs, entropy = model_logprobs(
+            engine,
+            inputs,
+            batch["loss_mask"],
+            batch.get("parents"),
+            chunk_tokens=config.logits_chunk_tokens,
+            entropy=True,
+        )
         old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
         ref = None
         if models.reference is not None:
-            ref = _reference_logprobs(models, model_inputs(batch, attention, dtype), batch)
+            ref = _reference_logprobs(models, inputs, batch, config.logits_chunk_tokens)
         loss, metrics = policy_loss(
             logprobs,
             old,
@@ -98,9 +106,8 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
             sums["tokens"] += tokens
             sums["clip"] += metrics["clip_frac"] * tokens
             sums["kl"] += metrics.get("kl", 0.0) * tokens
-            entropy = entropy_from_logits(logits.detach(), batch.get("parents"))
             sums["entropy"] += float(torch.where(mask, entropy, 0.0).sum()) * micro.scale
-        del logits, logprobs, loss
+        del logprobs, entropy, loss
     totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=models.device)
     dist.all_reduce(totals)
     total = dict(zip(_SUMS, totals.tolist(), strict=True))
@@ -148,8 +155,10 @@ def model_inputs(
 
 
 def _reference_logprobs(
-    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], chunk_tokens: int
 ) -> torch.Tensor:
     with torch.no_grad():
-        logits = models.reference(**inputs).logits
-        return token_logprobs(logits, batch["input_ids"], batch.get("parents"))
+        logprobs, _ = model_logprobs(
+            models.reference, inputs, batch["loss_mask"], batch.get("parents"), chunk_tokens=chunk_tokens
+        )
+        return logprobs
