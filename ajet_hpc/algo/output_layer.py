@@ -8,8 +8,8 @@ gathered (``t - 1``, or the token's tree parent in packed samples), and the outp
 rows only, in chunks of ``chunk_tokens`` rows. Each chunk is checkpointed: its logits are freed after the
 forward and recomputed in the backward, so the peak is one chunk's ``[chunk, V]`` tensors, not all of them.
 
-The values are today's (:func:`ajet_hpc.algo.grpo.token_logprobs` on the full logits, same float32
-``log_softmax``): each row's softmax is independent of the other rows. ``docs/grpo.md`` has the figures.
+The values are today's (:func:`ajet_hpc.algo.grpo.token_logprobs` on the full logits, float32 log-softmax)
+to float32 rounding: each row's softmax is independent of the other rows. ``docs/grpo.md`` has the figures.
 
 The output layer is called as a module (``get_output_embeddings()``), never through its weight, so
 DeepSpeed ZeRO-3 gathers it in its hooks, and a head tied to the input embedding works unchanged. A model
@@ -54,12 +54,33 @@ def predicted_positions(loss_mask: Tensor, parents: Tensor | None = None) -> tup
     return rows, cols, sources[rows, cols]
 
 
+class _TargetLogProb(torch.autograd.Function):
+    """``log_softmax(logits)[target]`` per row in float32, with a backward that keeps two ``[rows, V]``
+    tensors alive (the logits and their gradient) where autograd's log_softmax + gather keeps about five."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, targets, lse)
+        return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        # d/dx (x_t - lse(x)) = onehot(t) - softmax(x)
+        out = (logits.float() - lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
+        out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        return out.to(logits.dtype), None
+
+
 def _chunk_logprobs(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, entropy: list | None):
-    logp = torch.log_softmax(head(hidden).float(), dim=-1)
-    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logits = head(hidden)
+    picked = _TargetLogProb.apply(logits, targets)
     if entropy is not None and entropy[0] is None:  # first pass only: not again when the backward recomputes
         with torch.no_grad():
-            entropy[0] = -(logp.exp() * logp).sum(-1)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # today's formula, to the last bit
+            entropy[0] = -logp.exp().mul_(logp).sum(-1)
     return picked
 
 
