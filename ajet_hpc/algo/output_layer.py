@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,34 +55,44 @@ def predicted_positions(loss_mask: Tensor, parents: Tensor | None = None) -> tup
     return rows, cols, sources[rows, cols]
 
 
+@dataclass
+class _Chunk:
+    """What one chunk's first forward leaves behind; the checkpoint's recompute sees ``done`` set."""
+
+    want_entropy: bool
+    entropy: Tensor | None = None
+    done: bool = False
+
+
 class _TargetLogProb(torch.autograd.Function):
-    """``log_softmax(logits)[target]`` per row in float32, with a backward that keeps two ``[rows, V]``
-    tensors alive (the logits and their gradient) where autograd's log_softmax + gather keeps about five."""
+    """``log_softmax(logits)[target]`` per row in float32, and the row's entropy on the first pass.
+
+    The backward keeps two ``[rows, V]`` tensors alive (the logits and their gradient, ``g * (onehot -
+    softmax)``), where autograd's log_softmax + gather keeps about five. The entropy reuses the forward's
+    log-softmax, and the checkpoint's recompute (which only needs the saved logits) computes neither."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        x = logits.float()
-        lse = torch.logsumexp(x, dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    def forward(ctx, logits: Tensor, targets: Tensor, chunk: _Chunk) -> Tensor:
+        ctx.save_for_backward(logits, targets)
+        if chunk.done:
+            return logits.new_zeros(targets.shape, dtype=torch.float32)
+        chunk.done = True
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if chunk.want_entropy:
+            chunk.entropy = -logp.exp().mul_(logp).sum(-1)  # today's formula, to the last bit
+        return picked
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        logits, targets, lse = ctx.saved_tensors
-        # d/dx (x_t - lse(x)) = onehot(t) - softmax(x)
-        out = (logits.float() - lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        logits, targets = ctx.saved_tensors
+        out = torch.softmax(logits.float(), dim=-1).mul_(-grad.unsqueeze(-1))
         out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-        return out.to(logits.dtype), None
+        return out.to(logits.dtype), None, None
 
 
-def _chunk_logprobs(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, entropy: list | None):
-    logits = head(hidden)
-    picked = _TargetLogProb.apply(logits, targets)
-    if entropy is not None and entropy[0] is None:  # first pass only: not again when the backward recomputes
-        with torch.no_grad():
-            logp = torch.log_softmax(logits.float(), dim=-1)  # today's formula, to the last bit
-            entropy[0] = -logp.exp().mul_(logp).sum(-1)
-    return picked
+def _chunk_logprobs(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, chunk: _Chunk):
+    return _TargetLogProb.apply(head(hidden), targets, chunk)
 
 
 def head_logprobs(
@@ -95,9 +106,11 @@ def head_logprobs(
     """``log softmax(head(hidden))[targets]`` per row (float32 ``[N]``), and the rows' entropies if asked.
 
     ``hidden``: ``[N, H]``, the hidden states of the predicting positions; ``targets``: ``[N]`` token ids.
-    Rows go through ``head`` ``chunk_tokens`` at a time; under autograd each chunk is checkpointed, so its
-    ``[chunk, V]`` logits are recomputed in the backward instead of kept. Entropies (nats) are detached:
-    they are a metric.
+    Rows go through ``head`` in equal chunks of at most ``chunk_tokens``; under autograd every chunk but the
+    last is checkpointed, so its ``[chunk, V]`` logits are recomputed in the backward instead of kept. The
+    last chunk keeps its logits: its backward runs first, before any recompute, so keeping it does not raise
+    the peak (one chunk's logits and their gradient) and saves one recompute per call. Entropies (nats)
+    are detached: they are a metric.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -107,15 +120,16 @@ def head_logprobs(
         )
     grad = torch.is_grad_enabled() and hidden.requires_grad
     picked, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        holder = [None] if entropy else None
-        if grad:
-            picked.append(checkpoint(_chunk_logprobs, head, h, t, holder, use_reentrant=False))
+    rows = hidden.shape[0]
+    size = -(-rows // -(-rows // chunk_tokens)) if rows else 1  # equal chunks of at most chunk_tokens rows
+    for start in range(0, rows, size):
+        h, t = hidden[start : start + size], targets[start : start + size]
+        chunk = _Chunk(want_entropy=entropy)
+        if grad and start + size < rows:
+            picked.append(checkpoint(_chunk_logprobs, head, h, t, chunk, use_reentrant=False))
         else:
-            picked.append(_chunk_logprobs(head, h, t, holder))
-        if holder is not None:
-            entropies.append(holder[0])
+            picked.append(_chunk_logprobs(head, h, t, chunk))
+        entropies.append(chunk.entropy)
     if not picked:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty + hidden.sum() * 0 if grad else empty, (empty.detach() if entropy else None)
