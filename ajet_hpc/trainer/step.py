@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ajet_hpc.algo.grpo import policy_loss
 from ajet_hpc.algo.output_layer import model_logprobs
-from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches
+from ajet_hpc.algo.samples import Sample, collate, dense_tree_mask_of, pack_micro_batches, tree_block_mask
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import shard_by_tokens
 from ajet_hpc.trainer.zero import Models
@@ -71,7 +71,10 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
     dtype = next(engine.module.parameters()).dtype
     for micro in plan_micro_batches(samples, world_size, rank, config.micro_batch_tokens):
         batch = {
-            k: v.to(models.device) for k, v in collate([samples[i] for i in micro.indices], pad_id).items()
+            k: v.to(models.device)
+            for k, v in collate(
+                [samples[i] for i in micro.indices], pad_id, dense_tree_mask=attention != "flex_attention"
+            ).items()
         }
         inputs = model_inputs(batch, attention, dtype)
         logprobs, entropy = model_logprobs(
@@ -133,23 +136,37 @@ def model_inputs(
 ) -> dict[str, torch.Tensor]:
     """The forward's arguments for a collated batch: ids and mask, plus position ids for tree samples.
 
-    A tree batch's ``[B, 1, T, T]`` boolean mask goes to SDPA attention as it is (True = may attend); eager
-    attention adds its mask to the scores, so it gets 0 / the dtype's minimum instead. Other kernels
-    (flash attention) take no arbitrary mask: tree merging is refused there.
+    A tree batch's mask takes the form its attention kernel takes: SDPA gets the boolean ``[B, 1, T, T]``
+    mask (True = may attend); eager attention adds its mask to the scores, so it gets 0 / the dtype's
+    minimum instead; FlexAttention (``flex_attention``, chosen on GPUs by
+    :func:`ajet_hpc.algo.samples.tree_attention`) gets a ``BlockMask`` built from ``tree_ends`` that never
+    grows quadratically. The dense forms are built here when the batch was collated without them. Other
+    kernels (flash attention) take no arbitrary mask: tree merging is refused there.
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if "position_ids" not in batch:
         return inputs
     inputs["position_ids"] = batch["position_ids"]
+    if attn_implementation == "flex_attention":
+        if torch.is_grad_enabled() and batch["input_ids"].device.type == "cpu":
+            raise ValueError(
+                "tree-packed samples with 'flex_attention' train on GPUs only (FlexAttention has no backward "
+                "on the CPU): load the model with 'sdpa' there"
+            )
+        inputs["attention_mask"] = tree_block_mask(batch["tree_ends"])
+        return inputs
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(
+            f"tree-packed samples need 'sdpa', 'eager' or 'flex_attention' attention (a tree mask); the "
+            f"model uses {attn_implementation!r}: set trainer.merge.mode to 'linear' or load it with sdpa"
+        )
+    mask = batch["attention_mask"]
+    if mask.dim() == 2:
+        mask = dense_tree_mask_of(batch["tree_ends"])
+    inputs["attention_mask"] = mask
     if attn_implementation == "eager":
-        mask = batch["attention_mask"]
         inputs["attention_mask"] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(dtype).min
-        )
-    elif attn_implementation != "sdpa":
-        raise ValueError(
-            f"tree-packed samples need 'sdpa' or 'eager' attention (a 4-D mask); this model uses "
-            f"{attn_implementation!r}: set trainer.merge.mode to 'linear' or load the model with sdpa"
         )
     return inputs
 
