@@ -102,6 +102,8 @@ def head_logprobs(
     *,
     chunk_tokens: int,
     entropy: bool = False,
+    min_chunks: int = 0,
+    recompute: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """``log softmax(head(hidden))[targets]`` per row (float32 ``[N]``), and the rows' entropies if asked.
 
@@ -111,6 +113,10 @@ def head_logprobs(
     last chunk keeps its logits: its backward runs first, before any recompute, so keeping it does not raise
     the peak (one chunk's logits and their gradient) and saves one recompute per call. Entropies (nats)
     are detached: they are a metric.
+
+    ``min_chunks``: call ``head`` at least that many times, padding with one-row chunks that add 0 (under
+    ZeRO-3 every head call gathers the head's weight in a collective, so a rank without trained tokens must
+    still make the call the others make). ``recompute=False`` keeps every chunk's logits (no checkpoint).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -119,21 +125,32 @@ def head_logprobs(
             f"hidden must be [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}"
         )
     grad = torch.is_grad_enabled() and hidden.requires_grad
-    picked, entropies = [], []
     rows = hidden.shape[0]
-    size = -(-rows // -(-rows // chunk_tokens)) if rows else 1  # equal chunks of at most chunk_tokens rows
-    for start in range(0, rows, size):
-        h, t = hidden[start : start + size], targets[start : start + size]
-        chunk = _Chunk(want_entropy=entropy)
-        if grad and start + size < rows:
-            picked.append(checkpoint(_chunk_logprobs, head, h, t, chunk, use_reentrant=False))
+    real = -(-rows // chunk_tokens)
+    count = max(real, min_chunks)
+    size = -(-rows // real) if rows else 0  # equal chunks of at most chunk_tokens rows
+    picked, entropies, padding = [], [], []
+    for i in range(count):
+        if i < real:
+            h, t = hidden[i * size : (i + 1) * size], targets[i * size : (i + 1) * size]
+        else:  # a padding chunk: one zero row, through the head and back, contributing 0
+            h, t = hidden.new_zeros(1, hidden.shape[1]), targets.new_zeros(1)
+        chunk = _Chunk(want_entropy=entropy and i < real)
+        if grad and recompute and i < count - 1:
+            out = checkpoint(_chunk_logprobs, head, h, t, chunk, use_reentrant=False)
         else:
-            picked.append(_chunk_logprobs(head, h, t, chunk))
-        entropies.append(chunk.entropy)
-    if not picked:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty + hidden.sum() * 0 if grad else empty, (empty.detach() if entropy else None)
-    return torch.cat(picked), (torch.cat(entropies) if entropy else None)
+            out = _chunk_logprobs(head, h, t, chunk)
+        (picked if i < real else padding).append(out)
+        if i < real:
+            entropies.append(chunk.entropy)
+    logp = torch.cat(picked) if picked else hidden.new_zeros(0, dtype=torch.float32)
+    if grad and not picked:
+        logp = logp + hidden.sum() * 0  # still a graph through the forward (engine.backward needs one)
+    if padding:
+        logp = logp + torch.cat(padding).sum() * 0
+    if not entropy:
+        return logp, None
+    return logp, torch.cat(entropies) if entropies else logp.new_zeros(0).detach()
 
 
 def scatter_positions(values: Tensor, rows: Tensor, cols: Tensor, shape: torch.Size) -> Tensor:
@@ -171,6 +188,8 @@ def model_logprobs(
     *,
     chunk_tokens: int,
     entropy: bool = False,
+    min_chunks: int = 0,
+    recompute: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probabilities ``[B, T]`` of the trained tokens (0 elsewhere), and their entropies.
 
@@ -181,6 +200,7 @@ def model_logprobs(
     logits are ``head(last hidden state)``; a model where they are not, or whose forward has no
     ``logits_to_keep``, computes its full logits and the same rows are gathered from them.
 
+    ``min_chunks`` and ``recompute`` as in :func:`head_logprobs`.
     At positions the loss uses, the values equal ``token_logprobs`` / ``entropy_from_logits`` on the full
     logits; elsewhere both are 0.
     """
@@ -192,7 +212,13 @@ def model_logprobs(
     if head is not None and _takes_logits_to_keep(module) and _head_makes_logits(model, module, head, inputs):
         hidden = model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
         logp, ent = head_logprobs(
-            head, hidden[rows, sources], targets, chunk_tokens=chunk_tokens, entropy=entropy
+            head,
+            hidden[rows, sources],
+            targets,
+            chunk_tokens=chunk_tokens,
+            entropy=entropy,
+            min_chunks=min_chunks,
+            recompute=recompute,
         )
     else:
         logits = model(**inputs).logits[rows, sources]

@@ -165,3 +165,36 @@ def test_a_batch_without_trained_tokens_still_has_a_graph(llama) -> None:
         head_logprobs(
             torch.nn.Identity(), torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_tokens=0
         )
+
+
+def test_padding_chunks_call_the_head_without_changing_values_or_gradients(llama) -> None:
+    """Under ZeRO-3 every rank makes as many head calls as the busiest: padding chunks add exactly 0."""
+    head = llama.get_output_embeddings()
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, llama.config.hidden_size, generator=generator, requires_grad=True)
+    targets = torch.randint(0, llama.config.vocab_size, (9,), generator=generator)
+    calls: list[int] = []
+    hook = head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    try:
+        results = []
+        for min_chunks in (0, 6):
+            calls.clear()
+            logp, entropy = head_logprobs(
+                head, hidden, targets, chunk_tokens=4, entropy=True, min_chunks=min_chunks
+            )
+            forward_calls = list(calls)
+            grads = torch.autograd.grad((logp * torch.arange(9.0)).sum(), [hidden, head.weight])
+            results.append((logp.detach(), entropy, grads, forward_calls, list(calls)))
+        (lp0, ent0, g0, fwd0, all0), (lp6, ent6, g6, fwd6, all6) = results
+        assert fwd0 == [3, 3, 3] and fwd6 == [3, 3, 3, 1, 1, 1]
+        # the backward recomputes every chunk but the last, latest first
+        assert all0[len(fwd0) :] == [3, 3] and all6[len(fwd6) :] == [1, 1, 3, 3, 3]
+        assert torch.equal(lp0, lp6) and torch.equal(ent0, ent6) and entropy.shape == (9,)
+        assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(g0, g6, strict=True))
+        # a rank without a trained token still calls the head as often as the others
+        calls.clear()
+        empty, _ = head_logprobs(head, hidden[:0], targets[:0], chunk_tokens=4, min_chunks=2)
+        empty.sum().backward()
+        assert empty.shape == (0,) and calls == [1, 1, 1]
+    finally:
+        hook.remove()
