@@ -186,7 +186,8 @@ class TrainerConfig(BaseModel):
         default=256,
         ge=1,
         description="Rows the output layer (logits, log-softmax) runs on at once, only at the positions that "
-        "predict a trained token; the peak of the logits is one such chunk (docs/grpo.md).",
+        "predict a trained token; the peak of the logits is one such chunk (docs/grpo.md). Not used under "
+        "ZeRO-3, where the output layer runs once per micro-batch on all its trained rows.",
     )
     turn_gamma: float = Field(
         default=1.0, ge=0, le=1, description="Discount of later per-turn rewards in a turn's return."
