@@ -87,18 +87,21 @@ def pack_micro_batches(samples: list[Sample], token_budget: int) -> list[list[in
     return batches
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
+def collate(samples: list[Sample], pad_id: int, *, dense_tree_mask: bool = True) -> dict[str, Tensor]:
     """Right-pad ``samples`` to the longest one and stack them; tensors are ``[B, T]`` unless noted.
 
     Keys: ``input_ids`` (long, ``pad_id`` on padding), ``attention_mask`` (long, 1 on real tokens),
     ``loss_mask`` (long), ``old_logprobs``, ``advantages`` and ``weights`` (float32, each token's loss
     weight). Every padding position is 0 except ``input_ids``.
 
-    When a sample is a tree (``parents`` set), three keys change or appear: ``attention_mask`` becomes a
+    When a sample is a tree (``parents`` set), keys change or appear: ``attention_mask`` becomes a
     boolean ``[B, 1, T, T]`` mask (query i sees key j iff j is i or an ancestor of i; a padding position
-    sees itself only), ``position_ids`` holds each token's depth in its own sequence, and ``parents`` (long)
-    the position whose logits predict each token (-1: none). Plain samples in the same batch get the
-    causal equivalents, so one forward serves both.
+    sees itself only), ``position_ids`` holds each token's depth in its own sequence, ``parents`` (long)
+    the position whose logits predict each token (-1: none), and ``tree_ends`` (long) the same mask in
+    linear form: query i sees key j iff ``j <= i < tree_ends[b, j]`` (the depth-first layout puts every
+    subtree in one run of positions). Plain samples in the same batch get the causal equivalents, so one
+    forward serves both. With ``dense_tree_mask=False`` the quadratic mask is not built: ``attention_mask``
+    stays ``[B, T]`` and ``tree_ends`` carries the tree (for :func:`tree_block_mask`).
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -121,15 +124,25 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, Tensor]:
         out["weights"][row, :n] = torch.tensor(s.weights) if s.weights is not None else s.weight
     if any(s.parents is not None for s in samples):
         out.update(_tree_inputs(samples, t))
+        if dense_tree_mask:
+            out["attention_mask"] = dense_tree_mask_of(out["tree_ends"])
     return out
 
 
+def dense_tree_mask_of(tree_ends: Tensor) -> Tensor:
+    """The boolean ``[B, 1, T, T]`` mask of ``tree_ends``: query i sees key j iff ``j <= i < ends[j]``."""
+    arange = torch.arange(tree_ends.shape[1], device=tree_ends.device)
+    keys, queries = arange[None, None, :], arange[None, :, None]
+    return ((keys <= queries) & (queries < tree_ends[:, None, :])).unsqueeze(1)
+
+
 def _tree_inputs(samples: list[Sample], t: int) -> dict[str, Tensor]:
+    """Parents, depths and subtree ends of each row, in one pass over the tokens (a padding position is
+    its own subtree; padding depths continue after the row's deepest token)."""
     b = len(samples)
     parents = torch.full((b, t), -1, dtype=torch.long)
     depth = torch.zeros((b, t), dtype=torch.long)
-    mask = torch.zeros((b, 1, t, t), dtype=torch.bool)
-    arange = torch.arange(t)
+    ends = torch.arange(1, t + 1).repeat(b, 1)  # padding: itself only
     for row, s in enumerate(samples):
         n = len(s)
         own = list(range(-1, n - 1)) if s.parents is None else s.parents
@@ -142,10 +155,69 @@ def _tree_inputs(samples: list[Sample], t: int) -> dict[str, Tensor]:
                 size[own[i]] += size[i]
         for i in range(n):
             level[i] = level[own[i]] + 1 if own[i] >= 0 else 0
-        end = torch.arange(t) + 1  # padding: itself only
-        end[:n] = torch.arange(n) + torch.tensor(size)
+        ends[row, :n] = torch.arange(n) + torch.tensor(size)
         depth[row, :n] = torch.tensor(level)
         if n < t:
             depth[row, n:] = torch.arange(t - n) + (max(level) + 1)
-        mask[row, 0] = (arange[None, :] <= arange[:, None]) & (arange[:, None] < end[None, :])
-    return {"attention_mask": mask, "position_ids": depth, "parents": parents}
+    return {"position_ids": depth, "parents": parents, "tree_ends": ends}
+
+
+def tree_attention(on_gpu: bool) -> str | None:
+    """The attention kernel to load a model with for tree-packed batches: ``"flex_attention"`` on GPUs when
+    the installed transformers supports it (its block mask does not grow quadratically, see
+    :func:`tree_block_mask`), else ``None``, the model's default (SDPA) with the dense ``[B, 1, T, T]`` mask.
+    On the CPU the dense mask is the fallback: FlexAttention has no backward there."""
+    if not on_gpu:
+        return None
+    from transformers.utils import is_torch_flex_attn_available
+
+    return "flex_attention" if is_torch_flex_attn_available() else None
+
+
+def tree_block_mask(tree_ends: Tensor, block_size: int = 128):
+    """The tree mask of ``tree_ends`` as a FlexAttention ``BlockMask``, built without a ``[T, T]`` tensor.
+
+    ``torch.nn.attention.flex_attention`` skips the ``block_size`` x ``block_size`` tiles where no query sees
+    a key and evaluates the mask only in the partial ones; storage is ``O(T + (T / block_size)^2)`` per row
+    where the dense mask is ``O(T^2)``. A tile (query block q, key block k) is non-empty iff ``k <= q`` and
+    some key of k has its subtree reaching q's first query (``max ends > q0``); full iff ``k < q`` and every
+    key's subtree covers q's last query (``min ends > q1``): the tables come from per-block min/max of
+    ``tree_ends``, never from the mask itself.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, t = tree_ends.shape
+    device = tree_ends.device
+    blocks = -(-t // block_size)
+    padded = blocks * block_size
+    ends = torch.arange(1, padded + 1, device=device).repeat(b, 1)  # past T: itself only
+    ends[:, :t] = tree_ends
+    per_block = ends.view(b, blocks, block_size)
+    high, low = per_block.amax(-1), per_block.amin(-1)  # [B, kv blocks]
+    index = torch.arange(blocks, device=device)
+    first_q = index * block_size
+    last_q = torch.clamp(first_q + block_size, max=t) - 1
+    q_blocks, kv_blocks = index[:, None], index[None, :]
+    any_ = (kv_blocks <= q_blocks) & (high[:, None, :] > first_q[None, :, None])
+    full = (kv_blocks < q_blocks) & (low[:, None, :] > last_q[None, :, None])
+    partial = any_ & ~full
+
+    def table(selected: Tensor) -> tuple[Tensor, Tensor]:
+        counts = selected.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None], order[:, None]
+
+    def mask_mod(batch, head, q, kv):
+        return (kv <= q) & (q < ends[batch, kv])
+
+    kv_num, kv_index = table(partial)
+    full_num, full_index = table(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_index,
+        full_num,
+        full_index,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(t, t),
+    )

@@ -193,6 +193,13 @@ class TrainerConfig(BaseModel):
     micro_batch_tokens: int = Field(
         default=8192, ge=16, description="Token budget of one micro-batch (forward/backward) per rank."
     )
+    logits_chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Rows the output layer (logits, log-softmax) runs on at once, only at the positions that "
+        "predict a trained token; the peak of the logits is one such chunk (docs/grpo.md). Not used under "
+        "ZeRO-3, where the output layer runs once per micro-batch on all its trained rows.",
+    )
     turn_gamma: float = Field(
         default=1.0, ge=0, le=1, description="Discount of later per-turn rewards in a turn's return."
     )

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ajet_hpc.algo.grpo import entropy_from_logits, policy_loss, token_logprobs
-from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches
+from ajet_hpc.algo.grpo import policy_loss
+from ajet_hpc.algo.output_layer import model_logprobs
+from ajet_hpc.algo.samples import Sample, collate, dense_tree_mask_of, pack_micro_batches, tree_block_mask
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import shard_by_tokens
 from ajet_hpc.trainer.zero import Models
@@ -70,14 +71,20 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
     dtype = next(engine.module.parameters()).dtype
     for micro in plan_micro_batches(samples, world_size, rank, config.micro_batch_tokens):
         batch = {
-            k: v.to(models.device) for k, v in collate([samples[i] for i in micro.indices], pad_id).items()
+            k: v.to(models.device)
+            for k, v in collate(
+                [samples[i] for i in micro.indices], pad_id, dense_tree_mask=attention != "flex_attention"
+            ).items()
         }
-        logits = engine(**model_inputs(batch, attention, dtype)).logits
-        logprobs = token_logprobs(logits, batch["input_ids"], batch.get("parents"))
+        inputs = model_inputs(batch, attention, dtype)
+        head = _output_layer_plan(config)
+        logprobs, entropy = model_logprobs(
+            engine, inputs, batch["loss_mask"], batch.get("parents"), entropy=True, **head
+        )
         old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
         ref = None
         if models.reference is not None:
-            ref = _reference_logprobs(models, model_inputs(batch, attention, dtype), batch)
+            ref = _reference_logprobs(models, inputs, batch, head)
         loss, metrics = policy_loss(
             logprobs,
             old,
@@ -98,9 +105,8 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
             sums["tokens"] += tokens
             sums["clip"] += metrics["clip_frac"] * tokens
             sums["kl"] += metrics.get("kl", 0.0) * tokens
-            entropy = entropy_from_logits(logits.detach(), batch.get("parents"))
             sums["entropy"] += float(torch.where(mask, entropy, 0.0).sum()) * micro.scale
-        del logits, logprobs, loss
+        del logprobs, entropy, loss
     totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=models.device)
     dist.all_reduce(totals)
     total = dict(zip(_SUMS, totals.tolist(), strict=True))
@@ -126,30 +132,57 @@ def model_inputs(
 ) -> dict[str, torch.Tensor]:
     """The forward's arguments for a collated batch: ids and mask, plus position ids for tree samples.
 
-    A tree batch's ``[B, 1, T, T]`` boolean mask goes to SDPA attention as it is (True = may attend); eager
-    attention adds its mask to the scores, so it gets 0 / the dtype's minimum instead. Other kernels
-    (flash attention) take no arbitrary mask: tree merging is refused there.
+    A tree batch's mask takes the form its attention kernel takes: SDPA gets the boolean ``[B, 1, T, T]``
+    mask (True = may attend); eager attention adds its mask to the scores, so it gets 0 / the dtype's
+    minimum instead; FlexAttention (``flex_attention``, chosen on GPUs by
+    :func:`ajet_hpc.algo.samples.tree_attention`) gets a ``BlockMask`` built from ``tree_ends`` that never
+    grows quadratically. The dense forms are built here when the batch was collated without them. Other
+    kernels (flash attention) take no arbitrary mask: tree merging is refused there.
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if "position_ids" not in batch:
         return inputs
     inputs["position_ids"] = batch["position_ids"]
+    if attn_implementation == "flex_attention":
+        if torch.is_grad_enabled() and batch["input_ids"].device.type == "cpu":
+            raise ValueError(
+                "tree-packed samples with 'flex_attention' train on GPUs only (FlexAttention has no backward "
+                "on the CPU): load the model with 'sdpa' there"
+            )
+        inputs["attention_mask"] = tree_block_mask(batch["tree_ends"])
+        return inputs
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(
+            f"tree-packed samples need 'sdpa', 'eager' or 'flex_attention' attention (a tree mask); the "
+            f"model uses {attn_implementation!r}: set trainer.merge.mode to 'linear' or load it with sdpa"
+        )
+    mask = batch["attention_mask"]
+    if mask.dim() == 2:
+        mask = dense_tree_mask_of(batch["tree_ends"])
+    inputs["attention_mask"] = mask
     if attn_implementation == "eager":
-        mask = batch["attention_mask"]
         inputs["attention_mask"] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(dtype).min
-        )
-    elif attn_implementation != "sdpa":
-        raise ValueError(
-            f"tree-packed samples need 'sdpa' or 'eager' attention (a 4-D mask); this model uses "
-            f"{attn_implementation!r}: set trainer.merge.mode to 'linear' or load the model with sdpa"
         )
     return inputs
 
 
+def _output_layer_plan(config: TrainerConfig) -> dict[str, int]:
+    """How the output layer runs: chunks of ``logits_chunk_tokens`` rows, except under ZeRO-3, where every
+    head call gathers the head's weight in a collective: there it runs once per micro-batch on all the
+    trained rows (at least once, on a zero row, where there are none), the same calls on every rank. Several
+    calls per micro-batch (chunks, or their recompute) desynchronised the ranks' collectives in DeepSpeed
+    0.19 even with equal call counts (tests/component/test_trainer.py with chunks of 3 rows)."""
+    if config.zero_stage == 3:
+        return {"chunk_tokens": 2**62, "min_chunks": 1}
+    return {"chunk_tokens": config.logits_chunk_tokens}
+
+
 def _reference_logprobs(
-    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], head: dict[str, int]
 ) -> torch.Tensor:
     with torch.no_grad():
-        logits = models.reference(**inputs).logits
-        return token_logprobs(logits, batch["input_ids"], batch.get("parents"))
+        logprobs, _ = model_logprobs(
+            models.reference, inputs, batch["loss_mask"], batch.get("parents"), **head
+        )
+        return logprobs

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ajet_hpc.algo.samples import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer import protocol
 from ajet_hpc.trainer.protocol import TrainerState, WorkDir
@@ -78,10 +79,13 @@ def model_dtype(on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if on_gpu else torch.float32
 
 
-def load_model(model_dir: Path, on_gpu: bool) -> torch.nn.Module:
+def load_model(model_dir: Path, on_gpu: bool, attention: str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model_dtype(on_gpu), local_files_only=True)
+    extra = {"attn_implementation": attention} if attention else {}  # tree batches: samples.tree_attention
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=model_dtype(on_gpu), local_files_only=True, **extra
+    )
     model.config.use_cache = False
     model.eval()  # no dropout: the policy's logprobs are those the engine samples with
     return model
@@ -102,7 +106,8 @@ def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int)
 
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     started = time.monotonic()
-    model = load_model(model_dir, on_gpu)
+    attention = tree_attention(on_gpu) if config.merge.mode == "tree" else None
+    model = load_model(model_dir, on_gpu, attention)
     loaded = time.monotonic()
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(config, on_gpu)
@@ -115,7 +120,7 @@ def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int)
     )
     reference = None
     if config.kl_coef > 0:
-        ref = load_model(model_dir, on_gpu).requires_grad_(False)
+        ref = load_model(model_dir, on_gpu, attention).requires_grad_(False)
         if config.zero_stage == 3:
             ref_engine, *_ = deepspeed.initialize(model=ref, config=reference_ds_config(config, on_gpu))
             reference = ref_engine.module
