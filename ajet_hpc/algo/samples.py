@@ -162,12 +162,13 @@ def _tree_inputs(samples: list[Sample], t: int) -> dict[str, Tensor]:
     return {"position_ids": depth, "parents": parents, "tree_ends": ends}
 
 
-def tree_attention(on_gpu: bool) -> str | None:
-    """The attention kernel to load a model with for tree-packed batches: ``"flex_attention"`` on GPUs when
-    the installed transformers supports it (its block mask does not grow quadratically, see
-    :func:`tree_block_mask`), else ``None``, the model's default (SDPA) with the dense ``[B, 1, T, T]`` mask.
-    On the CPU the dense mask is the fallback: FlexAttention has no backward there."""
-    if not on_gpu:
+def tree_attention(on_gpu: bool, wanted: str = "flex") -> str | None:
+    """The attention kernel to load a model with for tree-packed batches: ``"flex_attention"`` when asked
+    (``merge.tree_attention: flex``), on GPUs, when the installed transformers supports it (its block mask
+    does not grow quadratically, see :func:`tree_block_mask`), else ``None``, the model's default (SDPA) with
+    the dense ``[B, 1, T, T]`` mask. On the CPU the dense mask is the fallback: FlexAttention has no backward
+    there."""
+    if not on_gpu or wanted != "flex":
         return None
     from transformers.utils import is_torch_flex_attn_available
 

@@ -150,6 +150,11 @@ class MergeConfig(BaseModel):
         default="episode",
         description="With mode 'tree': pack each episode, or each task group (one tree per task).",
     )
+    tree_attention: Literal["dense", "flex"] = Field(
+        default="dense",
+        description="With mode 'tree', the attention mask: 'dense' ([B,1,T,T], SDPA; everywhere) or 'flex' "
+        "(FlexAttention's block mask, linear in T; GPUs only, not yet run on one: docs/grpo.md).",
+    )
 
 
 class TrainerConfig(BaseModel):

@@ -106,7 +106,7 @@ def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int)
 
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     started = time.monotonic()
-    attention = tree_attention(on_gpu) if config.merge.mode == "tree" else None
+    attention = tree_attention(on_gpu, config.merge.tree_attention) if config.merge.mode == "tree" else None
     model = load_model(model_dir, on_gpu, attention)
     loaded = time.monotonic()
     engine, *_ = deepspeed.initialize(

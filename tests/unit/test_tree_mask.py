@@ -112,6 +112,7 @@ def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(seed
 def test_the_trainer_asks_for_flex_attention_only_on_gpus() -> None:
     assert tree_attention(on_gpu=False) is None
     assert tree_attention(on_gpu=True) == "flex_attention"  # the installed transformers has it
+    assert tree_attention(on_gpu=True, wanted="dense") is None  # merge.tree_attention's default
     sparse = collate(samples(0, (20, 9)), pad_id=0, dense_tree_mask=False)
     with pytest.raises(ValueError, match="GPUs only"):
         model_inputs(sparse, "flex_attention")
