@@ -35,7 +35,8 @@ def finished(tokenizer, task: str, repeat: int, version: int) -> Episode:
     tracker = ContextTracker(tokenizer)
     plan = tracker.build_prompt([{"role": "user", "content": f"{task}?"}])
     ids = tokenizer(f"{repeat}<|im_end|>", add_special_tokens=False)["input_ids"]
-    tracker.record(plan, ids, [-0.5] * len(ids), {"role": "assistant", "content": str(repeat)}, "stop", version)
+    reply = {"role": "assistant", "content": str(repeat)}
+    tracker.record(plan, ids, [-0.5] * len(ids), reply, "stop", version)
     episode = Episode(episode_id=f"{task}-r{repeat}", model="policy", tracker=tracker)
     episode.task_id, episode.group, episode.repeat, episode.state = task, "math", repeat, FINISHED
     episode.reward = float(repeat)

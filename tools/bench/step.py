@@ -21,11 +21,14 @@ the same order, on the same objects:
   server store (``encode_step``, which the recorder thread runs).
 
 ``coordinator_s`` is their sum, the median over repeats. ``build`` is broken down by running its parts
-again on their own: ``samples`` (``call_samples`` per task group), ``merge`` (``merge_linear`` and the snap
-report per episode), ``pack`` (``pack_tree``; zero unless ``--merge tree``). The last line is::
+again on their own: ``faults`` (``episode_fault`` per episode: its rewards, and its call samples built
+alone), ``samples`` (``call_samples`` per task group: per-call samples with their advantages), ``merge``
+(``merge_linear`` and the snap report per episode), ``pack`` (``pack_tree``; zero unless ``--merge
+tree``), ``rest`` (``build`` minus those: the finiteness check of the advantages, merge statistics). The
+last line is::
 
-    RESULT coordinator_s=<median s> collect_s=<> build_s=<> samples_s=<> merge_s=<> pack_s=<>
-           handover_s=<> record_s=<>  [vocab_speedup=<> logits_mem_ratio=<>]
+    RESULT coordinator_s=<median s> collect_s=<> build_s=<> faults_s=<> samples_s=<> merge_s=<> pack_s=<>
+           rest_s=<> handover_s=<> record_s=<>  [vocab_speedup=<> logits_mem_ratio=<>]
 
 The bracketed keys come from ``tools/bench/output_layer.py``'s ``measure_vocab(quick)`` when that module is
 there (see `output_layer_result`).
@@ -61,11 +64,11 @@ from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel  # noqa: E402
-from ajet_hpc.trainer.samples import build_samples, call_samples, explain_snaps  # noqa: E402
+from ajet_hpc.trainer.samples import build_samples, call_samples, episode_fault, explain_snaps  # noqa: E402
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
-PHASES = ("collect", "build", "samples", "merge", "pack", "handover", "record")
+PHASES = ("collect", "build", "faults", "samples", "merge", "pack", "rest", "handover", "record")
 
 
 # ---- workload ------------------------------------------------------------------------------------------
@@ -173,11 +176,18 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
     encode_step(StepRecord(step=step, metrics=row, samples=samples))
     times["record"] = _lap(started)
     times.update(build_parts(batch.groups, config))
+    times["rest"] = times["build"] - sum(times[p] for p in ("faults", "samples", "merge", "pack"))
     return times
 
 
 def build_parts(groups: list[list[Episode]], config: TrainerConfig) -> dict[str, float]:
-    """``build_samples``'s parts run on their own, in its order: call samples, merging, packing."""
+    """``build_samples``'s parts run on their own, in its order: the per-episode checks, call samples,
+    merging, packing."""
+    started = time.perf_counter()
+    for group in groups:
+        for item in group:
+            episode_fault(item, config)
+    faults_s = _lap(started)
     started = time.perf_counter()
     per_call = [call_samples(group, config.turn_gamma) for group in groups]
     samples_s = _lap(started)
@@ -194,7 +204,7 @@ def build_parts(groups: list[list[Episode]], config: TrainerConfig) -> dict[str,
                 started = time.perf_counter()
                 merge.pack_tree(merged)
                 pack_s += _lap(started)
-    return {"samples": samples_s, "merge": merge_s, "pack": pack_s}
+    return {"faults": faults_s, "samples": samples_s, "merge": merge_s, "pack": pack_s}
 
 
 def _lap(started: float) -> float:
@@ -251,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
             )
     med = {p: statistics.median(r[p] for r in runs) for p in ("coordinator", *PHASES)}
     print(f"\nmedian of {args.repeats}, seconds:")
-    for phase in ("collect", "build", "  samples", "  merge", "  pack", "handover", "record", "coordinator"):
+    shown = ("collect", "build", "  faults", "  samples", "  merge", "  pack", "  rest", "handover", "record")
+    for phase in (*shown, "coordinator"):
         name = phase.strip()
         spread = f"{min(r[name] for r in runs):.3f}-{max(r[name] for r in runs):.3f}"
         print(f"  {phase:12} {med[name]:8.3f}   ({spread})")
