@@ -15,20 +15,31 @@ the same order, on the same objects:
 
 - ``collect``: ``BatchCollector.add`` for every episode, then ``try_batch`` (the batch of 32 task groups);
 - ``build``: ``build_samples`` (credit and advantages, loss weights, merging as configured, packing);
-- ``handover``: ``TrainerChannel.submit`` (the batch file for the ranks: torch serialisation, written by
-  rename) and ``ConsumedJournal.append`` (the consumed journal line, fsynced);
+- ``encode``: ``encode_batch`` (the batch file's bytes; with overlap the coordinator makes them while the
+  previous step trains);
+- ``handover``: ``ConsumedJournal.append`` (the consumed journal line, fsynced) and
+  ``TrainerChannel.submit`` with those bytes (the batch file, written by rename): what stays on the
+  critical path when the batch was prepared ahead;
 - ``record``: the metrics row (``metrics.append_row``, fsynced) and the step record's serialisation for the
   server store (``encode_step``, which the recorder thread runs).
 
-``coordinator_s`` is their sum, the median over repeats. ``build`` is broken down by running its parts
-again on their own: ``faults`` (``episode_fault`` per episode: its rewards, and its call samples built
-alone), ``samples`` (``call_samples`` per task group: per-call samples with their advantages), ``merge``
-(``merge_linear`` and the snap report per episode), ``pack`` (``pack_tree``; zero unless ``--merge
-tree``), ``rest`` (``build`` minus those: the finiteness check of the advantages, merge statistics). The
-last line is::
+``coordinator_s`` is their sum, the median over repeats. ``critical_s`` is the part of it the ranks wait
+for when the batch was prepared while the previous step trained (``max_staleness`` > 0): ``handover`` and
+the previous step's ``record``. Without overlap they wait for all of ``coordinator_s``.
 
-    RESULT coordinator_s=<median s> collect_s=<> build_s=<> faults_s=<> samples_s=<> merge_s=<> pack_s=<>
-           rest_s=<> handover_s=<> record_s=<>  [vocab_speedup=<> logits_mem_ratio=<>]
+``build`` is broken down by running its parts again on their own:
+
+- ``faults``: ``episode_fault`` per episode (its rewards, and its call samples built alone);
+- ``samples``: ``call_samples`` per task group (per-call samples with their advantages);
+- ``merge``: ``merge_linear`` and the snap report per episode;
+- ``pack``: ``pack_tree`` (zero unless ``--merge tree``);
+- ``rest``: ``build`` minus those (the finiteness check of the advantages, merge statistics).
+
+The last line is::
+
+    RESULT coordinator_s=<median s> critical_s=<> collect_s=<> build_s=<> faults_s=<> samples_s=<>
+           merge_s=<> pack_s=<> rest_s=<> encode_s=<> handover_s=<> record_s=<>
+           [vocab_speedup=<> logits_mem_ratio=<>]
 
 The bracketed keys come from ``tools/bench/output_layer.py``'s ``measure_vocab(quick)`` when that module is
 there (see `output_layer_result`).
@@ -63,12 +74,13 @@ from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # no
 from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
-from ajet_hpc.trainer.protocol import TrainerChannel  # noqa: E402
+from ajet_hpc.trainer.protocol import TrainerChannel, encode_batch  # noqa: E402
 from ajet_hpc.trainer.samples import build_samples, call_samples, episode_fault, explain_snaps  # noqa: E402
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
-PHASES = ("collect", "build", "faults", "samples", "merge", "pack", "rest", "handover", "record")
+PHASES = ("collect", "build", "faults", "samples", "merge", "pack", "rest", "encode", "handover", "record")
+WORK = ("collect", "build", "encode", "handover", "record")  # their sum is coordinator_s
 
 
 # ---- workload ------------------------------------------------------------------------------------------
@@ -164,9 +176,13 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
         raise RuntimeError(f"episodes dropped from the batch: {batch.invalid}")
 
     started = time.perf_counter()
-    channel = TrainerChannel(work / "ckpt")
-    channel.submit(step, samples, save_checkpoint=False)
+    encoded = encode_batch(step, samples, save_checkpoint=False)
+    times["encode"] = _lap(started)
+
+    started = time.perf_counter()
     ConsumedJournal(work / "ckpt" / "consumed.jsonl").append(step, [e.episode_id for e in batch.episodes], [])
+    channel = TrainerChannel(work / "ckpt")
+    channel.submit(step, samples, save_checkpoint=False, encoded=encoded)
     times["handover"] = _lap(started)
     channel.work.batch_file(step).unlink()
 
@@ -251,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ajet-bench-step-") as tmp:
         for repeat in range(args.repeats):
             times = one_step(episodes, config, Path(tmp), step=repeat + 1)
-            times["coordinator"] = sum(times[p] for p in ("collect", "build", "handover", "record"))
+            times["coordinator"] = sum(times[p] for p in WORK)
+            times["critical"] = times["handover"] + times["record"]
             runs.append(times)
             print(
                 f"  repeat {repeat + 1}/{args.repeats}: "
@@ -259,15 +276,17 @@ def run(args: argparse.Namespace) -> int:
                 + " s",
                 flush=True,
             )
-    med = {p: statistics.median(r[p] for r in runs) for p in ("coordinator", *PHASES)}
+    med = {p: statistics.median(r[p] for r in runs) for p in ("coordinator", "critical", *PHASES)}
     print(f"\nmedian of {args.repeats}, seconds:")
-    shown = ("collect", "build", "  faults", "  samples", "  merge", "  pack", "  rest", "handover", "record")
-    for phase in (*shown, "coordinator"):
+    shown = ("collect", "build", "  faults", "  samples", "  merge", "  pack", "  rest", "encode", "handover")
+    shown += ("record",)
+    for phase in (*shown, "coordinator", "critical"):
         name = phase.strip()
         spread = f"{min(r[name] for r in runs):.3f}-{max(r[name] for r in runs):.3f}"
         print(f"  {phase:12} {med[name]:8.3f}   ({spread})")
     extra = output_layer_result(args.quick)
-    keys = {"coordinator_s": med["coordinator"], **{f"{p}_s": med[p] for p in PHASES}, **extra}
+    keys = {"coordinator_s": med["coordinator"], "critical_s": med["critical"]}
+    keys.update({f"{p}_s": med[p] for p in PHASES}, **extra)
     print("RESULT " + " ".join(f"{key}={_fmt(value)}" for key, value in keys.items()))
     return 0
 
