@@ -25,7 +25,8 @@ the same order, on the same objects:
 
 ``coordinator_s`` is their sum, the median over repeats. ``critical_s`` is the part of it the ranks wait
 for when the batch was prepared while the previous step trained (``max_staleness`` > 0): ``handover`` and
-the previous step's ``record``. Without overlap they wait for all of ``coordinator_s``.
+the previous step's metrics row (the step record's encoding runs on the recorder thread). Without overlap
+they wait for all of ``coordinator_s``.
 
 ``build`` is broken down by running its parts again on their own:
 
@@ -189,6 +190,7 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
     started = time.perf_counter()
     row = {"step": step, "model": "policy", "samples": len(samples), **merging.metrics(), "time": time.time()}
     metrics.append_row(work / "metrics.jsonl", row)
+    times["row"] = _lap(started)
     encode_step(StepRecord(step=step, metrics=row, samples=samples))
     times["record"] = _lap(started)
     times.update(build_parts(batch.groups, config))
@@ -268,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         for repeat in range(args.repeats):
             times = one_step(episodes, config, Path(tmp), step=repeat + 1)
             times["coordinator"] = sum(times[p] for p in WORK)
-            times["critical"] = times["handover"] + times["record"]
+            times["critical"] = times["handover"] + times["row"]
             runs.append(times)
             print(
                 f"  repeat {repeat + 1}/{args.repeats}: "
