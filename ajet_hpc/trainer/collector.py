@@ -14,8 +14,10 @@ served by a policy more than ``max_staleness`` versions behind the trained one i
 
 A task group that can no longer complete is dropped and counted (``dropped_incomplete``): when the
 repeats it lacks have already ended elsewhere (dropped as stale, or lost with a step), no client runs them
-again. After a restart, ``restore`` puts back the finished episodes no step consumed (read from the server
-store); every batch names the ids it consumes (trained, or dropped here) for the server's journal.
+again. A repeat that ended but is not yet in the server store (``announce``d, not yet ``add``-ed) is still
+coming: the trainer takes an episode only once it is stored. After a restart, ``restore`` puts back the
+finished episodes no step consumed (read from the server store); every batch names the ids it consumes
+(trained, or dropped here) for the server's journal.
 Episodes whose samples cannot be built are dropped when the batch is built (``Batch.invalid``,
 ``trainer.samples``); a batch left with none is ``carry_over``-ed: the next batch reports its drops.
 
@@ -31,7 +33,7 @@ import contextlib
 import logging
 import statistics
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -110,14 +112,26 @@ class BatchCollector:
         self._restored: set[str] = set()
         self._invalid: dict[str, str] = {}  # carried over from a batch that trained nothing
         self._collect_s = 0.0  # time spent in tries since the last batch
+        self._in_transit: Counter[Key] = Counter()  # finished, on their way to the store (``announce``)
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
+    def announce(self, episode: Episode) -> None:
+        """A closed episode that `add` will get once the server store holds it (the server calls this on
+        close, `add` once written): until then its task group counts it as coming."""
+        if episode.state == FINISHED and episode.timelines:
+            self._in_transit[_key(episode)] += 1
+
+    # The recorder calls this for every closed episode once it is stored (the registry, without a store).
     def add(self, episode: Episode) -> None:
+        key = _key(episode)
+        if self._in_transit[key] > 1:
+            self._in_transit[key] -= 1
+        else:
+            self._in_transit.pop(key, None)
         if self.closed or episode.state != FINISHED or not episode.timelines:
             return
         self.stats.received += 1
-        key = (episode.group or "", episode.task_id or episode.episode_id)
         self._pending.setdefault(key, []).append(episode)
         self._changed.set()
 
@@ -187,7 +201,7 @@ class BatchCollector:
                 continue
             episodes = self._pending[key]
             partial = len(episodes) % repeats
-            coming = self.repeats_of[group] - self.ended_count(group, task)
+            coming = self.repeats_of[group] - self.ended_count(group, task) + self._in_transit[key]
             if not partial or partial + coming >= repeats:
                 continue
             kept, gone = episodes[: len(episodes) - partial], episodes[len(episodes) - partial :]
