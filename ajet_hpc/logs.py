@@ -12,8 +12,8 @@ from ajet_hpc.launch.control import find_logs, follow, tail
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.logs", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.logs") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("run_dir")
     parser.add_argument("job", nargs="?", help="job name, target name, job id or task id (default: all)")
     parser.add_argument("-n", "--lines", type=int, default=40, help="lines of each log to print (default 40)")

@@ -10,8 +10,8 @@ from ajet_hpc.launch.slurmcli import SlurmError
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ajet_hpc.status", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.status") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("run_dir")
     args = parser.parse_args(argv)
     try:

@@ -25,6 +25,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ajet_hpc.algo.samples import Sample
 
 TOKEN, TEXT = "token", "text"
@@ -59,47 +61,61 @@ class Snap:
     position: int | None = None  # token position where the two sequences part (or text was trusted)
 
 
-@dataclass
 class _Merged:
-    """A sample being built: the longest call of a chain and the calls absorbed into it."""
+    """A sample being built: the longest call of a chain and the calls absorbed into it.
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    old_logprobs: list[float]
-    advantages: list[float]
-    weights: list[float]
-    policy_version: int
-    episode_id: str
-    task_id: str
-    calls: list[int]
-    text: str | None = None
-    text_ends: list[int] | None = field(default=None, repr=False)
+    It reads its first sample's lists until it changes them (`own` copies them then): most forks absorb
+    nothing, and one that stays as it came is returned as the very sample it was."""
 
-    @classmethod
-    def of(cls, sample: Sample) -> _Merged:
-        return cls(
-            token_ids=list(sample.token_ids),
-            loss_mask=list(sample.loss_mask),
-            old_logprobs=list(sample.old_logprobs),
-            advantages=list(sample.advantages),
-            weights=token_weights(sample),
-            policy_version=sample.policy_version,
-            episode_id=sample.episode_id,
-            task_id=sample.task_id,
-            calls=list(sample.calls),
-        )
+    def __init__(self, sample: Sample) -> None:
+        self.source = sample
+        self.token_ids = sample.token_ids
+        self.loss_mask = sample.loss_mask
+        self.old_logprobs = sample.old_logprobs
+        self.advantages = sample.advantages
+        self.weights: list[float] = []  # set by own()
+        self.policy_version = sample.policy_version
+        self.calls = list(sample.calls)
+        self.text: str | None = None
+        self.owned = False
+        if not all(
+            isinstance(x, list) for x in (self.token_ids, self.loss_mask, self.old_logprobs, self.advantages)
+        ):
+            self.own()  # read as lists, as the copies were
+
+    def own(self) -> None:
+        """Copy the first sample's lists before the first change."""
+        if not self.owned:
+            sample = self.source
+            self.token_ids = list(sample.token_ids)
+            self.loss_mask = list(sample.loss_mask)
+            self.old_logprobs = list(sample.old_logprobs)
+            self.advantages = list(sample.advantages)
+            self.weights = token_weights(sample)
+            self.owned = True
 
     def sample(self) -> Sample:
-        uniform = all(w == self.weights[0] for w in self.weights)
+        source = self.source
+        if (
+            not self.owned
+            and source.weights is None
+            and isinstance(source.calls, list)
+            and source.calls == sorted(source.calls)
+        ):
+            return source  # nothing absorbed: the sample as it came (what copying it would give)
+        self.own()
+        first = self.weights[0]
+        # list.count compares in C (identity, then ==); a NaN weight is never uniform, as with ==
+        uniform = first == first and self.weights.count(first) == len(self.weights)
         return Sample(
             token_ids=self.token_ids,
             loss_mask=self.loss_mask,
             old_logprobs=self.old_logprobs,
             advantages=self.advantages,
             policy_version=self.policy_version,
-            episode_id=self.episode_id,
-            task_id=self.task_id,
-            weight=self.weights[0] if uniform else 1.0,
+            episode_id=source.episode_id,
+            task_id=source.task_id,
+            weight=first if uniform else 1.0,
             weights=None if uniform else self.weights,
             calls=sorted(self.calls),
         )
@@ -110,6 +126,16 @@ def token_weights(sample: Sample) -> list[float]:
     return list(sample.weights) if sample.weights is not None else [sample.weight] * len(sample)
 
 
+class _Candidate:
+    """A sample being placed, with what is worked out once however many targets it is tried against: the
+    runs of its trained positions and (text level) its decoded text."""
+
+    def __init__(self, sample: Sample) -> None:
+        self.sample = sample
+        self.runs = _runs(sample.loss_mask)
+        self.text: str | None = None
+
+
 def merge_linear(
     samples: Sequence[Sample], *, level: str = TOKEN, decode: Callable[[list[int]], str] | None = None
 ) -> tuple[list[Sample], list[Snap]]:
@@ -118,6 +144,11 @@ def merge_linear(
     ``samples`` are the calls of one episode as plain (not tree) samples. Returns the merged samples,
     longest first, and the snaps met (``text_trusted`` merges; ``duplicate`` positions). With
     ``level="text"``, ``decode`` turns token ids into text (e.g. ``tokenizer.decode`` without cleanup).
+
+    Cost: token level, linear in the tokens compared (list comparisons and slice copies, which run in C;
+    a Python step per trained run, not per token). Text level adds one decode of each sample whose tokens
+    are not a prefix of a target, and for each text cut one decode of the target's prefix to confirm it
+    (see ``_text_cut``).
     """
     if level not in (TOKEN, TEXT):
         raise ValueError(f"merge level must be {TOKEN!r} or {TEXT!r}, got {level!r}")
@@ -130,63 +161,162 @@ def merge_linear(
     merged: list[_Merged] = []
     snaps: list[Snap] = []
     for i in order:
-        sample = samples[i]
+        candidate = _Candidate(samples[i])
         for target in merged:
-            cut = _prefix_end(sample, target, level, decode)
+            cut, exact = _prefix_end(candidate, target, level, decode)
             if cut is None:
                 continue
-            snap = _absorb(target, sample, cut)
+            snap = _absorb(target, candidate, cut, exact)
             if snap is not None:
                 snaps.append(snap)
                 if snap.reason == DUPLICATE:
                     continue  # try another sample, else it stays apart
             break
         else:
-            merged.append(_Merged.of(sample))
+            merged.append(_Merged(candidate.sample))
     return [m.sample() for m in merged], snaps
 
 
 def _prefix_end(
-    sample: Sample, target: _Merged, level: str, decode: Callable[[list[int]], str] | None
-) -> int | None:
-    """Where ``sample`` ends inside ``target`` if it is a prefix of it (by tokens, or by text), else None."""
-    n = len(sample.token_ids)
-    if n <= len(target.token_ids) and target.token_ids[:n] == sample.token_ids:
-        return n
+    candidate: _Candidate, target: _Merged, level: str, decode: Callable[[list[int]], str] | None
+) -> tuple[int | None, bool]:
+    """Where the candidate ends inside ``target`` if it is a prefix of it (by tokens, or by text), else
+    None; and whether it is a token prefix (exact)."""
+    ids = candidate.sample.token_ids
+    n = len(ids)
+    if n <= len(target.token_ids) and target.token_ids[:n] == ids:
+        return n, True
     if level != TEXT or decode is None:
-        return None
-    text = decode(list(sample.token_ids))
+        return None, False
+    if candidate.text is None:
+        candidate.text = decode(list(ids))
     if target.text is None:
         target.text = decode(target.token_ids)
-    if not target.text.startswith(text):
-        return None
-    if target.text_ends is None:  # characters decoded from the first k tokens, k = 1..n
-        target.text_ends = [len(decode(target.token_ids[: k + 1])) for k in range(len(target.token_ids))]
-    k = bisect.bisect_left(target.text_ends, len(text))
-    if k < len(target.text_ends) and target.text_ends[k] == len(text):
-        return k + 1
-    return None  # the text ends inside a token of the target: no clean cut
+    if not target.text.startswith(candidate.text):
+        return None, False
+    return _text_cut(ids, candidate.text, target.token_ids, decode), False
 
 
-def _absorb(target: _Merged, sample: Sample, cut: int) -> Snap | None:
-    """Make ``sample``'s trainable tokens trainable in ``target``, whose first ``cut`` tokens hold the same
-    text. None when merged exactly; a Snap when text was trusted, or (not merged) on a duplicate."""
+def _text_cut(
+    ids: Sequence[int], text: str, target: list[int], decode: Callable[[list[int]], str]
+) -> int | None:
+    """The first k whose decoded prefix ``decode(target[:k])`` is exactly ``text`` (the decoded ``ids``, a
+    prefix of the target's text), else None: the text ends inside a token of the target.
+
+    Linear, not one decode per prefix: ``ids`` and ``target`` share their first d tokens, and the cut lies
+    where the target's tokens after d spell what ``ids`` spells after d. Only those few tokens are decoded
+    to find the candidate (widening steps, then bisection), and one decode of ``target[:k]`` confirms it;
+    the confirmation is what makes the cut exact (a decode need not be the concatenation of its parts:
+    byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails, the
+    cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and confirmed,
+    stepping over the tokens of a character split into bytes (its partial prefixes decode to as many
+    characters, a replacement character last): a cut never ends inside a character.
+    """
+    ids = list(ids)
+    d = common_prefix(ids, target)
+    tail = decode(ids[d:])
+    need = len(tail)
+    if need > 0 and d < len(target):
+
+        def width(k: int) -> int:  # characters spelled by target[d:k]
+            return len(decode(target[d:k]))
+
+        step, low = max(1, len(ids) - d), d  # width(low) < need
+        high = min(d + step, len(target))
+        while high < len(target) and width(high) < need:
+            low, step = high, step * 2
+            high = min(d + step, len(target))
+        k = low + 1 + bisect.bisect_left(_Lengths(width, low + 1, high + 1), need)
+        for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
+            window = decode(target[d:end])
+            if window == tail and decode(target[:end]) == text:
+                return end
+            if len(window) != need:
+                break
+    k = 1 + bisect.bisect_left(_Lengths(lambda k: len(decode(target[:k])), 1, len(target) + 1), len(text))
+    for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
+        prefix = decode(target[:end])
+        if prefix == text:
+            return end
+        if len(prefix) != len(text):  # past it, or a character that the text ends inside of
+            break
+    return None
+
+
+class _Lengths:
+    """``length(k)`` for k in [start, stop), computed only where ``bisect`` looks."""
+
+    def __init__(self, length: Callable[[int], int], start: int, stop: int) -> None:
+        self.length, self.start, self.stop = length, start, stop
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getitem__(self, index: int) -> int:
+        return self.length(self.start + index)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first items the lists ``a`` and ``b`` share, by bisection over slice comparisons (which
+    run in C): about two passes over the shared part."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; they part at or before high
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` runs of a loss mask's 1s: ``list.index`` scans in C, a Python step per run
+    rather than per token (slice comparisons would copy the list; so would a conversion to an array)."""
+    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
+    n = len(mask)
+    zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
+    if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
+        return [(zeros, n)] if zeros < n else []
+    runs: list[tuple[int, int]] = []
+    end = 0
+    while end < n:
+        try:
+            start = mask.index(1, end)
+        except ValueError:
+            break
+        try:
+            end = mask.index(0, start)
+        except ValueError:
+            end = n
+        runs.append((start, end))
+    return runs
+
+
+def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Snap | None:
+    """Make the candidate's trainable tokens trainable in ``target``, whose first ``cut`` tokens hold the
+    same text (the same tokens when ``exact``). None when merged exactly; a Snap when text was trusted, or
+    (not merged) on a duplicate."""
+    sample = candidate.sample
     n = len(sample.token_ids)
-    exact = cut == n and target.token_ids[:n] == sample.token_ids
     if exact:
-        if any(sample.loss_mask[p] and target.loss_mask[p] for p in range(n)):
+        if any(any(target.loss_mask[a:b]) for a, b in candidate.runs):
             return Snap(sample.episode_id, _first(sample.calls), _first(target.calls), DUPLICATE, n)
-        for p in range(n):
-            if sample.loss_mask[p]:
-                target.loss_mask[p] = 1
-                target.old_logprobs[p] = sample.old_logprobs[p]
-                target.advantages[p] = sample.advantages[p]
-                target.weights[p] = token_weights(sample)[p]
+        target.own()
+        for a, b in candidate.runs:
+            target.loss_mask[a:b] = [1] * (b - a)
+            target.old_logprobs[a:b] = sample.old_logprobs[a:b]
+            target.advantages[a:b] = sample.advantages[a:b]
+            target.weights[a:b] = (
+                sample.weights[a:b] if sample.weights is not None else [sample.weight] * (b - a)
+            )
         target.calls.extend(sample.calls)
         target.policy_version = min(target.policy_version, sample.policy_version)
         return None
     if any(target.loss_mask[:cut]):  # the replaced tokens would carry loss of another call
         return Snap(sample.episode_id, _first(sample.calls), _first(target.calls), DUPLICATE, n)
+    target.own()
     weights, into = token_weights(sample), _first(target.calls)
     target.token_ids = list(sample.token_ids) + target.token_ids[cut:]
     target.loss_mask = list(sample.loss_mask) + target.loss_mask[cut:]
@@ -195,7 +325,6 @@ def _absorb(target: _Merged, sample: Sample, cut: int) -> Snap | None:
     target.weights = weights + target.weights[cut:]
     target.calls.extend(sample.calls)
     target.policy_version = min(target.policy_version, sample.policy_version)
-    target.text_ends = None  # the text is the same; its token boundaries changed
     return Snap(sample.episode_id, _first(sample.calls), into, TEXT_TRUSTED, n)
 
 
@@ -219,65 +348,142 @@ def pack_tree(samples: Sequence[Sample]) -> Sample:
     for sample in samples:
         if sample.parents is not None:
             raise ValueError("pack_tree takes plain samples, not tree-packed ones")
-    token: list[int] = []
-    parent: list[int] = []  # node index of the parent node, -1 at the top
-    trained: list[bool] = []
-    values: list[tuple[float, float, float]] = []  # old logprob, advantage, weight of a trained node
-    children: dict[tuple[int, int], list[int]] = {}
-    order: list[list[int]] = []  # the children of each node, in insertion order
-    top: list[int] = []  # the first tokens' nodes
+    trie = _Trie()
     for sample in samples:
-        weights = token_weights(sample)
-        node = -1
-        for p, tok in enumerate(sample.token_ids):
-            trains = bool(sample.loss_mask[p])
-            chosen = None
-            for candidate in children.get((node, tok), ()):
-                if not (trains and trained[candidate]):
-                    chosen = candidate
-                    break
-            if chosen is None:
-                chosen = len(token)
-                token.append(tok)
-                parent.append(node)
-                trained.append(False)
-                values.append((0.0, 0.0, 0.0))
-                order.append([])
-                children.setdefault((node, tok), []).append(chosen)
-                (top if node < 0 else order[node]).append(chosen)
-            if trains:
-                trained[chosen] = True
-                values[chosen] = (sample.old_logprobs[p], sample.advantages[p], weights[p])
-            node = chosen
-    layout: list[int] = []  # node of each packed position, depth first
-    stack = list(reversed(top))
-    while stack:
-        node = stack.pop()
-        layout.append(node)
-        stack.extend(reversed(order[node]))
-    position = {node: i for i, node in enumerate(layout)}
+        trie.insert(sample)
+    layout = trie.layout()
+    size = len(layout)
+    position = np.empty(size, dtype=np.int64)
+    position[layout] = np.arange(size)
+    parent = np.asarray(trie.parent, dtype=np.int64)[layout]
+    parents_arr = np.where(parent < 0, -1, position[np.maximum(parent, 0)])
+    trained = np.asarray(trie.trained, dtype=bool)[layout]
+    weights_arr = np.where(trained, np.asarray(trie.weight, dtype=np.float64)[layout], 0.0)
+    kept = weights_arr[trained]
+    uniform = kept.size == 0 or bool((kept == kept[0]).all())
     calls = sorted({c for s in samples for c in s.calls})
     episodes = list(dict.fromkeys(s.episode_id for s in samples))
     tasks = list(dict.fromkeys(s.task_id for s in samples))
-    weights = [values[n][2] if trained[n] else 0.0 for n in layout]
-    kept = [w for n, w in zip(layout, weights, strict=True) if trained[n]]
-    uniform = not kept or all(w == kept[0] for w in kept)
-    parents = [-1 if parent[n] < 0 else position[parent[n]] for n in layout]
-    if parents == list(range(-1, len(layout) - 1)):
-        parents = None  # one chain: a plain sample, which trains with the plain causal mask (faster)
+    chain = bool((parents_arr == np.arange(-1, size - 1)).all())  # one chain: a plain sample (faster)
     return Sample(
-        token_ids=[token[n] for n in layout],
-        loss_mask=[int(trained[n]) for n in layout],
-        old_logprobs=[values[n][0] if trained[n] else 0.0 for n in layout],
-        advantages=[values[n][1] if trained[n] else 0.0 for n in layout],
+        token_ids=np.asarray(trie.token, dtype=np.int64)[layout].tolist(),
+        loss_mask=trained.astype(np.int64).tolist(),
+        old_logprobs=np.where(trained, np.asarray(trie.logprob, dtype=np.float64)[layout], 0.0).tolist(),
+        advantages=np.where(trained, np.asarray(trie.advantage, dtype=np.float64)[layout], 0.0).tolist(),
         policy_version=min(s.policy_version for s in samples),
         episode_id="+".join(episodes),
         task_id="+".join(tasks),
-        weight=kept[0] if kept and uniform else 1.0,
-        weights=None if uniform else weights,
-        parents=parents,
+        weight=float(kept[0]) if kept.size and uniform else 1.0,
+        weights=None if uniform else weights_arr.tolist(),
+        parents=None if chain else parents_arr.tolist(),
         calls=calls,
     )
+
+
+class _Trie:
+    """The token trie of `pack_tree`, stored as chains: the nodes a sample creates past the shared prefix
+    are consecutive ids (a block), each the first child of the one before. A walk follows a block with one
+    slice comparison instead of a step per token, and steps token by token only where sequences part or a
+    trained node is taken; the layout emits whole blocks. Per node: ``token``, ``parent``, ``trained``,
+    and the trained values (meaningful only where trained)."""
+
+    def __init__(self) -> None:
+        self.token: list[int] = []
+        self.parent: list[int] = []
+        self.trained: list[int] = []
+        self.logprob: list[float] = []
+        self.advantage: list[float] = []
+        self.weight: list[float] = []
+        self.block_start: list[int] = []
+        self.block_end: list[int] = []
+        self.branches: dict[tuple[int, int], list[int]] = {}  # children that start a block, by token
+        self.extra: dict[int, list[int]] = {}  # node -> its block-starting children, in insertion order
+        self.forks: dict[int, set[int]] = {}  # block start -> its nodes that have block-starting children
+
+    def insert(self, sample: Sample) -> None:
+        ids = list(sample.token_ids)
+        mask = list(sample.loss_mask)
+        runs = _runs(mask)
+        weights = token_weights(sample)
+        n, node, p = len(ids), -1, 0
+        while p < n:
+            if node >= 0:  # follow node's block as far as the tokens agree and no trained node is taken
+                length = min(n - p, self.block_end[node] - node - 1)
+                if length > 0:
+                    m = common_prefix(ids[p : p + length], self.token[node + 1 : node + 1 + length])
+                    m = self._free(runs, p, m, node + 1 - p)
+                    if m > 0:
+                        self._train(sample, weights, runs, p, p + m, node + 1 - p)
+                        node, p = node + m, p + m
+                        continue
+            tok, trains = ids[p], mask[p]
+            chosen = None
+            succ = node + 1
+            chain = node >= 0 and succ < self.block_end[node] and self.token[succ] == tok
+            if chain and not (trains and self.trained[succ]):  # the first child of node: created with it
+                chosen = succ
+            if chosen is None:
+                for candidate in self.branches.get((node, tok), ()):
+                    if not (trains and self.trained[candidate]):
+                        chosen = candidate
+                        break
+            if chosen is None:
+                self._block(sample, ids, mask, weights, p, node)
+                return
+            if trains:
+                self._train(sample, weights, [(p, p + 1)], p, p + 1, chosen - p)
+            node, p = chosen, p + 1
+
+    def _free(self, runs: list[tuple[int, int]], p: int, m: int, offset: int) -> int:
+        """How many of the m positions from p can be walked: up to the first trained position whose node
+        (position + offset) is trained already."""
+        for a, b in runs:
+            a, b = max(a, p), min(b, p + m)
+            if a < b:
+                nodes = self.trained[a + offset : b + offset]
+                if any(nodes):
+                    return a + [bool(t) for t in nodes].index(True) - p
+        return m
+
+    def _train(self, sample: Sample, weights: list[float], runs, start: int, end: int, offset: int) -> None:
+        for a, b in runs:
+            a, b = max(a, start), min(b, end)
+            if a < b:
+                self.trained[a + offset : b + offset] = [1] * (b - a)
+                self.logprob[a + offset : b + offset] = sample.old_logprobs[a:b]
+                self.advantage[a + offset : b + offset] = sample.advantages[a:b]
+                self.weight[a + offset : b + offset] = weights[a:b]
+
+    def _block(self, sample: Sample, ids: list[int], mask: list[int], weights, p: int, node: int) -> None:
+        """New nodes for ids[p:], the first a child of ``node``."""
+        base, count = len(self.token), len(ids) - p
+        self.branches.setdefault((node, ids[p]), []).append(base)
+        self.extra.setdefault(node, []).append(base)
+        if node >= 0:
+            self.forks.setdefault(self.block_start[node], set()).add(node)
+        self.token.extend(ids[p:])
+        self.parent.append(node)
+        self.parent.extend(range(base, base + count - 1))
+        self.trained.extend(mask[p:])
+        self.logprob.extend(sample.old_logprobs[p:])
+        self.advantage.extend(sample.advantages[p:])
+        self.weight.extend(weights[p:])
+        self.block_start.extend([base] * count)
+        self.block_end.extend([base + count] * count)
+
+    def layout(self) -> np.ndarray:
+        """Node ids depth first, children in insertion order: a block's chain, then the subtrees hanging
+        off its nodes, the deepest node's first (they come after its first child's whole subtree)."""
+        pieces: list[np.ndarray] = []
+        stack = list(reversed(self.extra.get(-1, [])))
+        while stack:
+            start = stack.pop()
+            pieces.append(np.arange(start, self.block_end[start]))
+            later: list[int] = []
+            for v in sorted(self.forks.get(start, ()), reverse=True):
+                later.extend(self.extra[v])
+            stack.extend(reversed(later))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
 @dataclass

@@ -43,7 +43,8 @@ class Sample:
                 raise ValueError(
                     f"Sample.{name} has {len(value)} entries but token_ids has {n}: give one entry per token"
                 )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        mask = self.loss_mask if isinstance(self.loss_mask, (list, tuple)) else list(self.loss_mask)
+        if mask.count(0) + mask.count(1) != n:  # every m in (0, 1), counted in C: merged samples are long
             raise ValueError("Sample.loss_mask must hold only 0 and 1")
         if self.parents is not None:
             if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):

@@ -11,6 +11,7 @@ from ajet_hpc.config.topology import (
     RunConfig,
     ServerConfig,
     ServingConfig,
+    StoreConfig,
     Topology,
     TrainerConfig,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RunConfig",
     "ServerConfig",
     "ServingConfig",
+    "StoreConfig",
     "Topology",
     "TrainerConfig",
     "apply_overrides",

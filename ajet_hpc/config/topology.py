@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ajet_hpc.config.errors import ConfigError, ConfigIssue
 from ajet_hpc.config.fields import (
@@ -49,6 +49,17 @@ class RunConfig(BaseModel):
         min_length=1,
         description="Run directory on shared storage; default runs/<name> relative to the working directory.",
     )
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where each server also logs its metrics rows: 'jsonl' (RUN/metrics.jsonl, always), "
+        "'tensorboard' (RUN/tensorboard), 'wandb' (offline by default: RUN/wandb), 'mlflow' (file store "
+        "RUN/mlruns). The libraries are extras: pip install 'ajet_hpc[wandb]'.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _jsonl_always(cls, value: list[str]) -> list[str]:
+        return ["jsonl", *(name for name in dict.fromkeys(value) if name != "jsonl")]
 
     def resolve_dir(self, cwd: Path | None = None) -> Path:
         """The absolute run directory; a relative one is taken from ``cwd`` (default: working directory)."""
@@ -287,6 +298,16 @@ class ServingConfig(BaseModel):
     tls_keyfile: str | None = Field(
         default=None, min_length=1, description="PEM private key of tls_certfile (uvicorn's ssl_keyfile)."
     )
+    keep_alive_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long the server keeps an idle client connection open (uvicorn's "
+        "timeout_keep_alive). Longer than the clients' own keep-alive (httpx: 5 s), so that the client, not "
+        "the server, closes an idle connection: a server that closes one as a request arrives on it leaves "
+        "that request unanswered.",
+    )
 
 
 class VllmConfig(BaseModel):
@@ -313,6 +334,35 @@ class VllmConfig(BaseModel):
         default=None,
         description="No CUDA graphs; null: eager on CPUs, CUDA graphs on GPUs (faster, slower to start).",
     )
+
+
+class StoreConfig(BaseModel):
+    """How the server commits closed episodes to its store (``RUN/data/<model>.h5``, docs/storage.md)."""
+
+    model_config = _MODEL_CONFIG
+
+    commit_interval_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=10_000,
+        allow_inf_nan=False,
+        description="Longest a commit group waits for more episodes after its first one, while more keep "
+        "arriving (a lone episode is committed at once); episodes of one group share one fsync. 0: never "
+        "wait, group only what is already queued.",
+    )
+    commit_max_episodes: int = Field(
+        default=64,
+        ge=1,
+        le=65_536,
+        description="Most records (episodes, training steps) committed as one group.",
+    )
+
+    def recorder_settings(self) -> dict[str, float | int]:
+        """The keyword arguments of ``ajet_hpc.server.recorder.EpisodeRecorder``."""
+        return {
+            "commit_interval_ms": self.commit_interval_ms,
+            "commit_max_episodes": self.commit_max_episodes,
+        }
 
 
 class ServerConfig(BaseModel):
@@ -362,6 +412,9 @@ class ServerConfig(BaseModel):
     )
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
     serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits, episode settings.")
+    store: StoreConfig = Field(
+        default=StoreConfig(), description="Group commit of the server store (docs/storage.md)."
+    )
     trainer: TrainerConfig | None = Field(
         default=TrainerConfig(),
         description="Trainer settings of this model; null serves it without training.",

@@ -31,9 +31,9 @@ from ajet_hpc.storage.h5_layout import CLOSED_STATES
 EXIT_BAD_INPUT = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ajet_hpc.inspect") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ajet_hpc.inspect",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -130,10 +130,10 @@ def _summary(run: Run, args: argparse.Namespace) -> int:
         print()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.inspect") -> int:
     setup_logging(os.environ.get("AJET_LOG_LEVEL") or "WARNING")
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
     except SystemExit as exc:  # usage errors (2) and --help (0) as a return value, like every other exit
         return int(exc.code or 0)
     try:

@@ -16,7 +16,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ajet_hpc.config import ConfigError, Topology, check_partitions, dump_topology, load_topology
+from ajet_hpc.config import (
+    ClusterConfig,
+    ConfigError,
+    ConfigIssue,
+    Topology,
+    check_partitions,
+    dump_topology,
+    load_topology,
+)
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch import registry, runtimes, slurmcli, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
@@ -27,14 +35,15 @@ from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.launch.supervise import supervise
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.storage.rundir import RunDir, RunDirError
+from ajet_hpc.trainer import trackers
 
 log = logging.getLogger("ajet_hpc.launch")
 EXIT_BAD_INPUT = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ajet_hpc.launch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ajet_hpc.launch",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -159,6 +168,9 @@ def launch(args: argparse.Namespace) -> int:
     too_big = fit_issues(topology)
     if too_big:
         raise ConfigError(too_big)
+    absent = trackers.missing(topology.run.trackers)  # before anything is written or submitted
+    if absent:
+        raise ConfigError(ConfigIssue("run.trackers", message) for message in absent)
     backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)
     if backend_name == "slurm" and slurmcli.available():
         check_partitions(topology, slurmcli.partitions())
@@ -223,23 +235,37 @@ def hand_commands(topology: Topology, run: RunDir, pythons: Mapping[str, str] | 
     ``pythons`` maps a client group to its runtime's python, which reaches the script as ``AJET_PYTHON``.
     """
     logs = run.logs_dir
+    common = " ".join(cluster_sbatch_options(topology.cluster))
     lines = []
     for server in topology.servers:
         gpus = f" --gpus-per-node={server.gpus_per_node}" if server.gpus_per_node else ""
         lines.append(
-            f"sbatch -p {server.partition} --nodes={server.nodes}{gpus} --cpus-per-task={server.cpus} "
-            f"--mem={server.mem} --time={server.time} --output={logs}/%x-%j.out "
-            f"sbatch/server.sbatch {run.root} {server.name}"
+            f"sbatch {common} -p {server.partition} --nodes={server.nodes}{gpus} "
+            f"--cpus-per-task={server.cpus} --mem={server.mem} --time={server.time} "
+            f"--output={logs}/%x-%j.out sbatch/server.sbatch {run.root} {server.name}"
         )
     for group in topology.clients:
         python = (pythons or {}).get(group.name)
         export = f"--export={shlex.quote(f'ALL,AJET_PYTHON={python}')} " if python else ""
         lines.append(
-            f"sbatch {export}-p {group.partition} --array=0-{group.array - 1} --cpus-per-task={group.cpus} "
+            f"sbatch {export}{common} -p {group.partition} --array=0-{group.array - 1} "
+            f"--cpus-per-task={group.cpus} "
             f"--mem={group.mem} --time={group.time} --output={logs}/%x-%A_%a.out "
             f"sbatch/clients.sbatch {run.root} {group.name}"
         )
     return lines
+
+
+def cluster_sbatch_options(cluster: ClusterConfig) -> list[str]:
+    """The options every hand-written job gets from ``cluster``, as submitit gives them to its jobs: the
+    checkpoint signal ``signal_delay_s`` ahead (over the scripts' default), account, qos and the extra
+    ``cluster.sbatch`` options. (``cluster.setup`` reaches the scripts as ``RUN/setup.sh``.)"""
+    options = [f"--signal=B:USR2@{cluster.signal_delay_s}"]
+    options += [
+        f"--{name}={value}" for name, value in (("account", cluster.account), ("qos", cluster.qos)) if value
+    ]
+    options += [f"--{key}={shlex.quote(str(value))}" for key, value in cluster.sbatch.items()]
+    return options
 
 
 def _dry_run_backend(topology: Topology) -> str:
@@ -249,9 +275,9 @@ def _dry_run_backend(topology: Topology) -> str:
     return topology.cluster.backend
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.launch") -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     try:
         if swap.requested(args):
             return swap.main(args)

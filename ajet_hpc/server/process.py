@@ -294,7 +294,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         job_id=job.job_id,
         public_url=f"{scheme}://{host}:{port}",
     )
-    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5"))
+    store = config.store  # group commit: episodes ending together share one fsync (docs/storage.md)
+    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5", **store.recorder_settings()))
     stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
     restored = ctx.episodes.restore_ended(stored)
     if restored:
@@ -307,7 +308,9 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         coordinator.rank_env = step_env
         coordinator.stored = stored
         coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
-        coordinator.collector.ended_count = ctx.episodes.ended_count
+        coordinator.collector.ended_count = lambda group, task: (  # ended, less those not yet in the store
+            ctx.episodes.ended_count(group, task) - ctx.recorder.waiting(group, task)
+        )
         coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
         ctx.attach_trainer(coordinator)
     server = GracefulServer(
@@ -317,6 +320,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             access_log=False,
             ssl_certfile=tls.tls_certfile,
             ssl_keyfile=tls.tls_keyfile,
+            timeout_keep_alive=config.serving.keep_alive_s,
         )
     )
     record = rendezvous.Rendezvous(

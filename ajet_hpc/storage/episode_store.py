@@ -3,9 +3,11 @@
 One writer, the server process (:class:`EpisodeWriter`, called from its recorder thread, one lock), holding
 the store's writer lease (:mod:`ajet_hpc.storage.lease`); any number of readers (:class:`EpisodeReader`),
 also while the server writes: the file is in HDF5 SWMR mode. An append is committed when it returns: its
-data written, flushed and fsynced, then the ``commit`` counter written and flushed. Readers see only what
-the counter covers; a writer reopening the file after a crash shrinks every dataset back to it. The layout
-and its reasons: :mod:`ajet_hpc.storage.h5_layout`, docs/storage.md.
+data written, flushed and fsynced, then the ``commit`` counter written and flushed. ``append_records``
+commits several records as one group (one fsync for all: what makes a busy server's recorder cheap; the
+group is committed all or nothing). Readers see only what the counter covers; a writer reopening the file
+after a crash shrinks every dataset back to it. The layout and its reasons: :mod:`ajet_hpc.storage.h5_layout`,
+docs/storage.md.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +48,7 @@ from ajet_hpc.storage.h5_layout import (
     encode_episode,
     encode_step,
     id_hash,
+    join_appends,
     open_file,
     open_for_read,
     open_uncached,
@@ -57,12 +62,22 @@ from ajet_hpc.tracking.timeline import DriftEvent, Timeline
 if TYPE_CHECKING:
     from ajet_hpc.server.episodes import Episode
 
-__all__ = ["LAYOUT_VERSION", "EpisodeReader", "EpisodeRecord", "EpisodeWriter", "StepRecord", "StoreError"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "EpisodeReader",
+    "EpisodeRecord",
+    "EpisodeWriter",
+    "StepRecord",
+    "StoreError",
+    "UnstorableRecord",
+    "WriterStats",
+]
 
 log = logging.getLogger(__name__)
 
 _SPACE = {space: i for i, space in enumerate(SPACES)}
 _BATCH = 8192  # episodes / steps parsed per read when building summaries
+_COMPRESS_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # threads compressing a group's chunks
 
 
 @dataclass
@@ -110,6 +125,26 @@ class StepRecord:
     samples: list[Sample] = field(default_factory=list)
 
 
+class UnstorableRecord(StoreError):
+    """A record that can never be stored (not closed, metadata not JSON, ids outside int32), refused before
+    the file is touched; ``index`` is its position in the records handed to ``append_records``."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass
+class WriterStats:
+    """What a writer has done since it was opened (read by the recorder's tests and the benchmark)."""
+
+    commits: int = 0  # commit groups (an append_episode or append_step is a group of one)
+    episodes: int = 0  # committed episodes
+    steps: int = 0  # committed steps
+    fsyncs: int = 0  # fsyncs of the store's file: one per commit, one at close
+    failed: int = 0  # appends that failed while writing (disk full, I/O error), nothing committed
+
+
 # ------------------------------------------------------------------------------------------- writer
 _OPEN_WRITERS: set[str] = set()
 _OPEN_WRITERS_LOCK = threading.Lock()
@@ -119,12 +154,13 @@ class EpisodeWriter:
     """Appends episodes and steps to one store; creates it, or reopens it recovering to the last commit.
 
     Takes the store's writer lease first (:class:`StoreError` naming the live writer if another process
-    holds it) and keeps it while open. Thread-safe (one lock). Each append is committed when it returns; a
-    failed append (disk full, quota, file size limit, I/O error) commits nothing and raises
-    :class:`StoreError`: the writer lets go of the file without writing to it again, and the next append
-    reopens it at the last commit (repairing a file the failure cut short), so once space is back, appends
-    work again; until then each append fails with the reason. A writer whose lease was taken over closes
-    itself without touching the file again.
+    holds it) and keeps it while open. Thread-safe (one lock). Each append is committed when it returns (all
+    the records of an ``append_records`` in one commit: one fsync, all or nothing). A failed append (disk
+    full, quota, file size limit, I/O error) commits nothing and raises :class:`StoreError`: the writer
+    lets go of the file without writing to it again, and the next append reopens it at the last commit
+    (repairing a file the failure cut short), so once space is back, appends work again; until then each
+    append fails with the reason. A writer whose lease was taken over closes itself without touching the
+    file again.
     """
 
     def __init__(
@@ -135,6 +171,8 @@ class EpisodeWriter:
         self._file: h5py.File | None = None
         self._closed = False  # close() was called, or the lease was taken over
         self._failure: str | None = None  # why the file is let go of, after a failed append
+        self.stats = WriterStats()
+        self._pool: ThreadPoolExecutor | None = None  # compresses filled chunks (created on first use)
         key = os.path.realpath(self.path)
         with _OPEN_WRITERS_LOCK:
             if key in _OPEN_WRITERS:
@@ -243,19 +281,31 @@ class EpisodeWriter:
     # --------------------------------------------------------------------------------------- appends
     def append_episode(self, record: EpisodeRecord) -> None:
         """Append one closed episode; committed on return."""
-        try:
-            encoded = encode_episode(record)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(f"{self.path}: episode {record.episode_id} cannot be stored: {exc}") from exc
-        self._append(encoded, f"episode {record.episode_id}")
+        self.append_records([record])
 
     def append_step(self, record: StepRecord) -> None:
         """Append one training step (metrics and samples); committed on return."""
+        self.append_records([record])
+
+    def append_records(self, records: Sequence[EpisodeRecord | StepRecord]) -> None:
+        """Append episodes and steps as one commit group: their data written in order, one flush and fsync
+        for all of them, then one write of the ``commit`` counter. Committed together on return; on any
+        failure none of them is (all or nothing). Each record is encoded first: one that cannot be stored
+        raises :class:`UnstorableRecord` (its ``index``) before the file is touched."""
+        if not records:
+            return
+        encoded = [self._encode(record, index) for index, record in enumerate(records)]
+        what = _describe(records[0])
+        if len(records) > 1:
+            what = f"{len(records)} records ({what} to {_describe(records[-1])})"
+        self._append(join_appends(encoded), what)
+
+    def _encode(self, record: EpisodeRecord | StepRecord, index: int) -> Append:
         try:
-            encoded = encode_step(record)
+            return encode_step(record) if isinstance(record, StepRecord) else encode_episode(record)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise StoreError(f"{self.path}: step {record.step} cannot be stored: {exc}") from exc
-        self._append(encoded, f"step {record.step}")
+            message = f"{self.path}: {_describe(record)} cannot be stored: {exc}"
+            raise UnstorableRecord(message, index) from exc
 
     def _append(self, encoded: Append, what: str) -> None:
         with self._lock:
@@ -273,6 +323,7 @@ class EpisodeWriter:
             try:
                 self._write(self._file, encoded)
             except Exception as exc:
+                self.stats.failed += 1
                 self._failure = f"{type(exc).__name__}: {exc}"
                 log.error("%s: writing %s failed (%s); letting go of the file", self.path, what, exc)
                 self._let_go(self._file, self._fd)
@@ -299,8 +350,14 @@ class EpisodeWriter:
         new = old.copy()
         for space, n in encoded.counts.items():
             new[_SPACE[space]] += n
-        sealed = [self._columns[name].stage(values) for name, values in encoded.columns.items()]
-        if any(sealed):  # a tail slot may be reused next: readers must see the seal first
+        full = [
+            (self._columns[name], k, data)
+            for name, values in encoded.columns.items()
+            for k, data in self._columns[name].stage(values)
+        ]
+        if full:  # a tail slot may be reused next: readers must see the seal first
+            for (column, k, _), compressed in zip(full, self._compress(full), strict=True):
+                column.seal(k, compressed)
             f.flush()
             self._write_sealed()
             f.flush()
@@ -313,11 +370,24 @@ class EpisodeWriter:
             ends = int(old[_SPACE[target]]) + np.cumsum(lengths, dtype=np.int64)
             write_at(self._data[name], int(old[_SPACE[rows_space]]) + 1, ends)
         f.flush()
-        # This append's data (and the previous commit) on disk before the counter points to it.
+        # This group's data (and the previous commit) on disk before the counter points to it.
         os.fsync(self._fd)
+        self.stats.fsyncs += 1
         write_at(self._commit, 0, np.append(new, commit_check(new)))
         f.flush()
         self._counts = new
+        self.stats.commits += 1
+        self.stats.episodes += encoded.counts.get("episodes", 0)
+        self.stats.steps += encoded.counts.get("steps", 0)
+
+    def _compress(self, full: list[tuple[SealedColumn, int, np.ndarray]]) -> list[bytes]:
+        """The filled chunks compressed, on a few threads when there are several (a commit group fills
+        many; zlib releases the GIL, and compression is most of an append's CPU time)."""
+        if len(full) == 1 or _COMPRESS_THREADS == 1:
+            return [column.compress(data) for column, _, data in full]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_COMPRESS_THREADS, thread_name_prefix="store-compress")
+        return list(self._pool.map(lambda job: job[0].compress(job[2]), full))
 
     def _on_lease_lost(self) -> None:
         """Called by the heartbeat thread when another process took the lease over."""
@@ -346,6 +416,7 @@ class EpisodeWriter:
                     try:
                         self._file.flush()
                         os.fsync(self._fd)
+                        self.stats.fsyncs += 1
                         self._file.close()
                     except Exception as exc:  # disk full at the very end: the commits are on disk
                         log.error(
@@ -353,6 +424,8 @@ class EpisodeWriter:
                         )
                         self._let_go(self._file, self._fd)
                     self._file = None
+        if self._pool is not None:
+            self._pool.shutdown()
         self._lease.release()
         self._release()
 
@@ -361,6 +434,10 @@ class EpisodeWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe(record: EpisodeRecord | StepRecord) -> str:
+    return f"step {record.step}" if isinstance(record, StepRecord) else f"episode {record.episode_id}"
 
 
 def _release(key: str, lease: HeldLease | None) -> None:

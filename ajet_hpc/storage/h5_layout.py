@@ -18,6 +18,8 @@ kinds of dataset:
 
 from __future__ import annotations
 
+import array
+import contextlib
 import hashlib
 import io
 import json
@@ -529,20 +531,25 @@ class SealedColumn:
         """Shrink the column to its sealed chunks (after ``sealed`` says so: readers never look past it)."""
         self.main.resize((self.sealed * self.chunk,))
 
-    def stage(self, values: np.ndarray) -> bool:
-        """Add ``values``; True when a chunk was sealed (then ``sealed`` is flushed before ``write_tail``)."""
-        pos, sealed = 0, False
+    def stage(self, values: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Add ``values``; returns the chunks they filled, ``(index, data)``, to compress (``compress``, any
+        thread: zlib releases the GIL) and write (``seal``) before ``sealed`` is flushed and ``write_tail``
+        runs."""
+        pos, full = 0, []
         while pos < len(values):
             take = min(self.chunk - self.fill, len(values) - pos)
             self.buf[self.fill : self.fill + take] = values[pos : pos + take]
             self.fill += take
             pos += take
             if self.fill == self.chunk:
-                k = self.sealed
-                self.main.resize(((k + 1) * self.chunk,))
-                self.main.id.write_direct_chunk((k * self.chunk,), self._compress(), 0)
-                self.sealed, self.fill, self._clean, sealed = k + 1, 0, 0, True
-        return sealed
+                full.append((self.sealed, self.buf.copy()))
+                self.sealed, self.fill, self._clean = self.sealed + 1, 0, 0
+        return full
+
+    def seal(self, k: int, compressed: bytes) -> None:
+        """Write chunk ``k``, compressed, to the column (once: see the module's docstring)."""
+        self.main.resize(((k + 1) * self.chunk,))
+        self.main.id.write_direct_chunk((k * self.chunk,), compressed, 0)
 
     def write_tail(self) -> None:
         if self.fill > self._clean:
@@ -551,8 +558,8 @@ class SealedColumn:
             )
             self._clean = self.fill
 
-    def _compress(self) -> bytes:
-        data = self.buf
+    def compress(self, data: np.ndarray) -> bytes:
+        """The bytes HDF5's shuffle + deflate filters would write for ``data``."""
         raw = data.view(np.uint8).reshape(-1, data.itemsize).T.tobytes() if self._shuffle else data.tobytes()
         return zlib.compress(raw, self._level)
 
@@ -607,6 +614,29 @@ class Append:
     columns: dict[str, np.ndarray]
 
 
+def join_appends(appends: list[Append]) -> Append:
+    """Several appends as one (a commit group): counts summed, rows, offsets' lengths and column values
+    concatenated in order. Episodes and steps may be mixed (their spaces are disjoint)."""
+    if len(appends) == 1:
+        return appends[0]
+    counts: dict[str, int] = {}
+    rows: dict[str, list[np.ndarray]] = {}
+    lengths: dict[str, list[np.ndarray]] = {}
+    columns: dict[str, list[np.ndarray]] = {}
+    for append in appends:
+        for space, n in append.counts.items():
+            counts[space] = counts.get(space, 0) + n
+        for out, part in ((rows, append.rows), (lengths, append.lengths), (columns, append.columns)):
+            for name, values in part.items():
+                out.setdefault(name, []).append(values)
+    return Append(
+        counts=counts,
+        rows={name: np.concatenate(parts) for name, parts in rows.items()},
+        lengths={name: np.concatenate(parts) for name, parts in lengths.items()},
+        columns={name: np.concatenate(parts) for name, parts in columns.items()},
+    )
+
+
 def _json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_plain).encode()
 
@@ -618,6 +648,24 @@ def _plain(value: Any) -> Any:
 
 
 def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
+    """``parts`` (lists or arrays) as one array of ``dtype``. Lists of token ids, masks and authors take a
+    C path (``array``/``bytearray``, 2-6x faster than numpy's conversion of Python ints, a third of an
+    episode's encoding); anything that path would read differently (floats, negative or large values)
+    falls back to numpy, so the result is numpy's either way."""
+    if parts and all(type(p) is list for p in parts):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            if np.dtype(dtype) == np.int32 and array.array("i").itemsize == 4:
+                ints = array.array("i")
+                for part in parts:
+                    ints.extend(part)  # raises on floats (numpy would truncate them) and on overflow
+                return np.frombuffer(ints, np.int32)
+            if np.dtype(dtype) == np.int8:
+                small = bytearray()
+                for part in parts:
+                    small.extend(part)  # raises outside 0..255 and on floats
+                out = np.frombuffer(small, np.int8)
+                if len(out) == 0 or out.min() >= 0:  # 128..255 would read back negative: numpy's call
+                    return out
     return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 

@@ -64,6 +64,12 @@ class RunDir:
         return self.root / "secret"
 
     @property
+    def setup_file(self) -> Path:
+        """``cluster.setup`` as shell lines: the hand-written ``sbatch/*.sbatch`` scripts source it before
+        the job starts (submitit and the hetjob script write the lines into their job scripts)."""
+        return self.root / "setup.sh"
+
+    @property
     def jobs_file(self) -> Path:
         return self.root / "jobs.json"
 
@@ -148,6 +154,7 @@ class RunDir:
         self._ensure_secret()
         if state != "resumed":
             write_bytes_atomic(self.topology_file, frozen_text.encode())
+        write_bytes_atomic(self.setup_file, _setup_script(topology.cluster.setup).encode())
         return state
 
     def replace_topology(self, topology: Topology) -> Path:
@@ -203,3 +210,8 @@ class RunDir:
         if not value:
             raise RunDirError(f"{self.secret_file} is empty")
         return value
+
+
+def _setup_script(lines: list[str]) -> str:
+    header = "# cluster.setup of this run's topology: sbatch/*.sbatch source this before the job starts\n"
+    return header + "".join(f"{line}\n" for line in lines)

@@ -211,8 +211,9 @@ def explain_snaps(
         for call in sample.calls:
             absorbed_into[call] = sample
     snaps = []
+    keys = [[_message_key(m) for m in timeline.messages] for timeline in timelines]  # once per call
     for k, earlier in enumerate(timelines):
-        later = _continuation(earlier, timelines[k + 1 :])
+        later = _continuation(keys[k], keys[k + 1 :])
         if later is None:
             continue
         j = k + 1 + later
@@ -227,17 +228,18 @@ def explain_snaps(
         else:
             reason = merge.TEXT_DIFFERED
         ids, other = earlier.token_ids, timelines[j].token_ids
-        parted = next((p for p, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), len(ids))
+        parted = merge.common_prefix(ids, other)
+        parted = len(ids) if parted == min(len(ids), len(other)) else parted
         snaps.append(Snap(episode_id, k, j, reason, parted))
     return snaps
 
 
-def _continuation(earlier: Timeline, later: list[Timeline]) -> int | None:
-    """Index in ``later`` of the first call whose request continues ``earlier``'s conversation."""
-    mine = [_message_key(m) for m in earlier.messages]
-    for index, timeline in enumerate(later):
-        request = timeline.messages[:-1]  # the last one is the reply
-        if len(request) > len(mine) and [_message_key(m) for m in request[: len(mine)]] == mine:
+def _continuation(mine: list[tuple], later: list[list[tuple]]) -> int | None:
+    """Index in ``later`` (the message keys of the later calls) of the first call whose request continues
+    the conversation whose message keys are ``mine``."""
+    for index, keys in enumerate(later):
+        request = keys[:-1]  # the last one is the reply
+        if len(request) > len(mine) and request[: len(mine)] == mine:
             return index
     return None
 

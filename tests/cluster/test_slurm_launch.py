@@ -123,8 +123,15 @@ def test_hetjob_runs_server_and_clients_as_one_job(tmp_path: Path, cleanup: list
 
 
 def test_hand_written_sbatch_scripts(tmp_path: Path, cleanup: list[str]) -> None:
+    """The commands ``--no-submit`` prints start the run with sbatch/*.sbatch, carrying what submitit would
+    give the jobs: account and extra sbatch options (seen in ``scontrol show job``; the dev cluster keeps no
+    QOS without accounting, the unit test sees --qos in the commands) and the setup lines (run by the
+    scripts: seen in the logs)."""
     run = tmp_path / "run"
-    config = write_topology(tmp_path, topology_dict(run, backend="slurm", array=2))
+    data = topology_dict(run, backend="slurm", array=2)
+    data["cluster"] |= {"account": "proj42", "qos": "high", "sbatch": {"comment": "by-hand"}}
+    data["cluster"]["setup"] = ["export AJET_HAND_SETUP=yes", 'echo "setup lines ran: $AJET_HAND_SETUP"']
+    config = write_topology(tmp_path, data)
     out = launch(config, "--no-submit").stdout
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("sbatch ")]
     assert len(commands) == 2
@@ -140,6 +147,10 @@ def test_hand_written_sbatch_scripts(tmp_path: Path, cleanup: list[str]) -> None
         ids.append(done.stdout.strip())
     cleanup.extend(ids)
     wait_until(lambda: len(logs_containing(run / "logs", "reached server policy")) == 2, START_S, "2 clients")
+    assert len(logs_containing(run / "logs", "setup lines ran: yes")) == 3  # the server and both clients
+    for job_id in ids:
+        record = slurmcli.job_record(job_id.split("_")[0])
+        assert (record["Account"], record["Comment"]) == ("proj42", "by-hand")  # (no QOS without accounting)
     subprocess.run(["scancel", ids[0]], check=True)
     wait_until(
         lambda: not (run / "servers" / "policy.json").exists(), 60, "the server to withdraw on scancel"

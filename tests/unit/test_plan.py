@@ -131,10 +131,25 @@ def test_dry_run_hetjob(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_no_submit_writes_the_run_and_prints_hand_commands(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = write_topology(tmp_path, topology_dict(tmp_path / "run"))
+    data = topology_dict(tmp_path / "run")
+    data["cluster"] |= {
+        "account": "proj42",
+        "qos": "high",
+        "setup": ["module load cuda/12.4", "export HF_HOME=/scratch/hf"],
+        "sbatch": {"constraint": "a100", "exclusive": "user"},
+        "signal_delay_s": 300,
+    }
+    config = write_topology(tmp_path, data)
     assert main([str(config), "--no-submit"]) == 0
     out = capsys.readouterr().out
-    assert "sbatch/server.sbatch" in out
-    assert "--array=0-2" in out
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("sbatch ")]
+    assert [c.split()[-3] for c in commands] == ["sbatch/server.sbatch", "sbatch/clients.sbatch"]
+    assert "--array=0-2" in commands[1]
+    for command in commands:  # what submitit would give each job, on the hand-written path too
+        for option in ("--account=proj42", "--qos=high", "--constraint=a100", "--exclusive=user"):
+            assert option in command.split(), (option, command)
+        assert "--signal=B:USR2@300" in command.split()
+    setup = (tmp_path / "run" / "setup.sh").read_text()  # the scripts source it
+    assert setup.splitlines()[1:] == ["module load cuda/12.4", "export HF_HOME=/scratch/hf"]
     assert (tmp_path / "run" / "topology.yaml").is_file()
     assert not (tmp_path / "run" / "jobs.json").exists()

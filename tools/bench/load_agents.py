@@ -295,7 +295,13 @@ class Report:
     def ok(self) -> bool:
         tally = self.tally
         return not (
-            tally.server_errors or tally.client_errors or self.lost or self.duplicated or self.unexpected
+            tally.server_errors
+            or tally.transport_errors
+            or tally.client_errors
+            or self.lost
+            or self.duplicated
+            or self.unexpected
+            or self.server_exit
         )
 
 

@@ -14,7 +14,17 @@ CPU, the file protocol of ``ajet_hpc.trainer.protocol``): one sample per call; l
 merging. The modes alternate within each repeat, and the time is the ranks' own ``step_time_s`` (forward,
 backward and optimizer step; no export). Reported per N: median seconds, speedups over per-call samples,
 and the token limit = per-call tokens / tokens after tree merging (the speedup if time were proportional
-to tokens). The last line is ``RESULT linear_25=<x> tree_25=<x> limit_frac_25=<f> tree_vs_linear_forked=<x>``.
+to tokens). The last line is ``RESULT linear_25=<x> tree_25=<x> limit_frac_25=<f> tree_vs_linear_forked=<x>
+merge_ms_25=<ms> merge_ms_50=<ms> text_ms_50=<ms>``.
+
+The merge keys time merging itself (no training), first: one task group of 8 episodes of N model calls each
+in the Qwen2.5 vocabulary (``builtin:tiny-qwen``'s tokenizer): a ~500-token system prompt and a 50-token task,
+then turns of a 50-300-token answer and a 50-300-token tool result. Episodes 4, 5 and 7 retry every fifth
+turn (a fork), 6 and 7 are summarised halfway (the context restarts from the system prompt, the task and a
+200-token summary), 2, 3 and 5 get every fourth answer back re-tokenized in the next prompt (sampled as
+``" wo" + "rd"``, re-encoded as ``" word"``: a token-level snap, a text-level merge). Reported: milliseconds
+per group for ``merge_linear`` over each episode's calls, token level (N = 25, 50) and text level (N = 50,
+decoding like the trainer does), the median of ``--merge-repeats`` runs. ``--merge-only`` stops there.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -41,6 +52,9 @@ from ajet_hpc.trainer.protocol import TrainerChannel  # noqa: E402
 
 SYSTEM_TOKENS, TASK_TOKENS, ACTION_TOKENS, TOOL_TOKENS = 1500, 60, 100, 150
 MODES = ("per-call", "linear", "tree")
+GROUP_EPISODES, GROUP_SYSTEM, GROUP_TASK, GROUP_SUMMARY = 8, 500, 50, 200
+GROUP_ANSWER = GROUP_TOOL = (25, 150)  # a turn: an answer and a tool result, 50-300 tokens together
+FORKED, SUMMARISED, RETOKENIZED = (4, 5, 7), (6, 7), (2, 3, 5)  # episode indices of each variant
 
 
 class Synth:
@@ -93,6 +107,109 @@ class Synth:
         )
 
 
+class GroupWorkload:
+    """The merging workload of one task group (see the module doc), in the Qwen2.5 vocabulary."""
+
+    def __init__(self, tokenizer, seed: int) -> None:
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        vocab = tokenizer.get_vocab()
+        self.words = sorted(i for t, i in vocab.items() if re.fullmatch("\u0120[a-z]{3,8}", t))
+        self.im_start, self.im_end = vocab["<|im_start|>"], vocab["<|im_end|>"]
+        self.newline = self.encode("\n")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def text(self, n: int) -> list[int]:
+        return [self.rng.choice(self.words) for _ in range(n)]
+
+    def message(self, role: str, body: list[int]) -> list[int]:
+        return [self.im_start, *self.encode(f"{role}\n"), *body, self.im_end, *self.newline]
+
+    def split(self, ids: list[int]) -> list[int]:
+        """The same text with every fifth word sampled in two pieces (``" wo" + "rd"``)."""
+        out: list[int] = []
+        for j, token in enumerate(ids):
+            word = self.decode([token])
+            out += self.encode(word[:3]) + self.encode(word[3:]) if j % 5 == 0 else [token]
+        return out
+
+    def group(self, calls: int) -> list[list[Sample]]:
+        return [self.episode(e, calls) for e in range(GROUP_EPISODES)]
+
+    def episode(self, e: int, n: int) -> list[Sample]:
+        system, task = (
+            self.message("system", self.text(GROUP_SYSTEM)),
+            self.message("user", self.text(GROUP_TASK)),
+        )
+        context = system + task
+        header = [self.im_start, *self.encode("assistant\n")]
+        out: list[Sample] = []
+        turn = 0
+        while len(out) < n:
+            if e in SUMMARISED and turn == n // 2:
+                context = system + task + self.message("user", self.text(GROUP_SUMMARY))
+            prompt = context + header
+            if e in FORKED and turn % 5 == 2 and len(out) < n - 1:
+                out.append(
+                    self.call(prompt, [*self.text(self.rng.randint(*GROUP_ANSWER)), self.im_end], e, len(out))
+                )
+            answer = self.text(self.rng.randint(*GROUP_ANSWER))
+            sampled = self.split(answer) if e in RETOKENIZED and turn % 4 == 1 else answer
+            out.append(self.call(prompt, [*sampled, self.im_end], e, len(out)))
+            tool = self.message("user", self.text(self.rng.randint(*GROUP_TOOL)))
+            context = prompt + answer + [self.im_end, *self.newline] + tool
+            turn += 1
+        return out
+
+    def call(self, prompt: list[int], answer: list[int], e: int, index: int) -> Sample:
+        n, m = len(prompt), len(answer)
+        return Sample(
+            token_ids=prompt + answer,
+            loss_mask=[0] * n + [1] * m,
+            old_logprobs=[0.0] * n + [-self.rng.uniform(0.5, 4.0) for _ in range(m)],
+            advantages=[0.0] * n + [self.rng.choice((-1.0, 1.0))] * m,
+            policy_version=0,
+            episode_id=f"ep{e}",
+            task_id="group",
+            calls=[index],
+        )
+
+
+def merge_ms(group: list[list[Sample]], level: str, decode, repeats: int) -> float:
+    """Median milliseconds to merge every episode of ``group`` (``merge_linear`` per episode)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for calls in group:
+            merge.merge_linear(calls, level=level, decode=decode)
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def merge_timing(args: argparse.Namespace) -> dict[str, float]:
+    """The merge keys of the RESULT line, printed as they are measured."""
+    from ajet_hpc.engine.tiny_qwen import build_tokenizer
+
+    workload = GroupWorkload(build_tokenizer(), seed=0)
+    groups = {n: workload.group(n) for n in (25, 50)}
+    for n, group in groups.items():
+        sizes = [sum(len(s) for s in calls) for calls in group]
+        merged = sum(len(merge.merge_linear(calls)[0]) for calls in group)
+        print(f"group N={n}: {sum(len(c) for c in group)} calls, {sum(sizes):,} tokens -> {merged} samples")
+    result = {
+        "merge_ms_25": merge_ms(groups[25], merge.TOKEN, None, args.merge_repeats),
+        "merge_ms_50": merge_ms(groups[50], merge.TOKEN, None, args.merge_repeats),
+        "text_ms_50": merge_ms(groups[50], merge.TEXT, workload.decode, args.merge_repeats),
+    }
+    print("merge time per group (ms): " + "  ".join(f"{k} {v:.1f}" for k, v in result.items()), flush=True)
+    return result
+
+
 def batches(episodes: list[list[Sample]]) -> dict[str, list[Sample]]:
     linear = [merge.merge_linear(calls)[0] for calls in episodes]
     return {
@@ -110,6 +227,12 @@ async def measure(channel: TrainerChannel, step: int, samples: list[Sample]) -> 
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
+
+    timing = merge_timing(args)
+    merge_keys = " ".join(f"{k}={v:.1f}" for k, v in timing.items())
+    if args.merge_only:
+        print(f"RESULT {merge_keys}")
+        return 0
 
     work = Path(tempfile.mkdtemp(prefix="ajet-bench-merge-"))
     model = resolve_model("builtin:tiny", work / "models")
@@ -194,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"RESULT linear_{top}={linear_top:.2f} tree_{top}={tree_top:.2f} "
-        f"limit_frac_{top}={linear_top / limit_top:.2f} tree_vs_linear_forked={tree_vs_linear:.2f}"
+        f"limit_frac_{top}={linear_top / limit_top:.2f} tree_vs_linear_forked={tree_vs_linear:.2f} "
+        f"{merge_keys}"
     )
     return 0
 
@@ -207,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=1, help="episodes per training batch")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch-tokens", type=int, default=TrainerConfig().micro_batch_tokens)
+    parser.add_argument("--merge-repeats", type=int, default=5, help="runs of the merge timing (median)")
+    parser.add_argument("--merge-only", action="store_true", help="time merging only, no training")
     args = parser.parse_args(argv)
     if args.quick:
         args.turns, args.forked, args.repeats = [5, 10], [10], 1

@@ -10,7 +10,8 @@ Two measurements, then one line ``RESULT proxy_vs_vllm=<ratio> overhead_rps=<n> 
    same wall window per leg. 64 closed-loop clients send the same greedy chat request (max_tokens 32); our
    side wraps them in episodes (begin → chat calls with the episode token → end, all inside the window).
    vLLM is measured twice: plain, and asked for logprobs (which our server always has vLLM compute).
-   Reported: completion tokens/s of each side (median over legs), ours/vLLM, and each server process's
+   Reported: completion tokens/s of each side (median over legs), ours/vLLM (``proxy_vs_vllm``: the median
+   of the per-pair ratios of the 3 leg pairs, each pair run back to back), and each server process's
    CPU per request.
 2. **proxy overhead** — our real app (uvicorn, one worker) over `ZeroEngine` (answers instantly), 256
    clients: closed-loop requests/s and latency of GET /health, chat calls, the episode API (begin+end) and
@@ -778,7 +779,7 @@ class Plan:
     single_requests: int
 
 
-FULL = Plan(4, 4.0, 12.0, 64, 8, 256, 2.0, 5.0, 3, 8.0, 400)
+FULL = Plan(3, 4.0, 12.0, 64, 8, 256, 2.0, 5.0, 3, 8.0, 400)
 QUICK = Plan(1, 3.0, 5.0, 64, 8, 256, 1.5, 3.0, 1, 3.0, 150)
 CHAT_PHASE = "chat, 1 turn, open episode"
 
@@ -874,7 +875,9 @@ def bench_vllm(plan: Plan, model_dir: Path, workdir: Path, secret: str) -> dict:
 
     out = {side: summary(side) for side in results}
     out["paired"] = [o.tps / v.tps for o, v in zip(results["ours"], results["vllm"], strict=True) if v.tps]
-    out["ratio"] = out["ours"]["tps"] / out["vllm"]["tps"] if out["vllm"]["tps"] else float("nan")
+    # the median of the per-pair ratios: each pair ran back to back, so slow drifts of the machine cancel
+    out["ratio"] = statistics.median(out["paired"]) if out["paired"] else float("nan")
+    out["ratio_of_medians"] = out["ours"]["tps"] / out["vllm"]["tps"] if out["vllm"]["tps"] else float("nan")
     lp = out["vllm+lp"]["tps"]
     out["ratio_lp"] = out["ours"]["tps"] / lp if lp else float("nan")
     out["idle_cpu"] = max(w.other_cpu for windows in results.values() for w in windows)
@@ -1277,8 +1280,10 @@ def report(plan: Plan, llm: dict | None, zero: dict | None, elapsed: float) -> N
         )
         paired = ", ".join(f"{r:.3f}" for r in llm["paired"])
         print(
-            f"ours/vLLM completion tokens/s = {ratio:.3f} ({'meets' if ratio >= 0.95 else 'MISSES'} the 0.95 "
-            f"target); per leg pair: {paired}; the idle server used <= {llm['idle_cpu']:.3f} cores during "
+            f"ours/vLLM completion tokens/s, median of the {len(llm['paired'])} leg pairs = {ratio:.3f} "
+            f"({'meets' if ratio >= 1.0 else 'MISSES'} the 1.0 target; ratio of the medians "
+            f"{llm['ratio_of_medians']:.3f}); per leg pair: {paired}; the idle server used <= "
+            f"{llm['idle_cpu']:.3f} cores during "
             f"the other's legs; {llm['failed']} failed requests; {llm['busy_legs']} legs with other "
             f"processes busy (>= {BUSY_CORES} cores) even after retries"
         )

@@ -13,9 +13,14 @@ Prints the size ratio JSONL/HDF5, the append rate (episodes per second of time s
 ``append_episode``, i.e. what the server's recorder thread pays) with its per-episode median and p99, and
 the latency of reading one episode by id (median of 200 random ids, with a reader opened fresh, the file
 in the page cache) at 10k episodes (``--quick``: 10k) while the writer still appends, and at the end.
-Ends with one line::
+Group commit (the server's recorder, ``EpisodeRecorder``): groups of 64 such episodes submitted together
+(as when many agents end at once), each group waited for with ``flush``; episodes per second from the first
+submit to the last flush (``write_eps_group``), and the fsyncs of the store per episode, counted by the
+writer itself (``fsyncs_per_episode``). The same episodes submitted one at a time, each waited for (every
+episode its own commit, as before group commit), in the same run for the ratio. Ends with one line::
 
     RESULT size_ratio=<jsonl/hdf5> write_eps=<episodes/s> read_ms_10k=<ms> read_ms_100k=<ms>
+           write_eps_group=<episodes/s> fsyncs_per_episode=<n>
 
 Everything is written under a temporary folder (or ``--dir``) and removed at the end.
 """
@@ -40,6 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from ajet_hpc.server.recorder import EpisodeRecorder  # noqa: E402
 from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 
@@ -47,6 +53,7 @@ VOCAB = 50_000
 SPECIAL = VOCAB  # scaffolding ids above the vocabulary: <|im_start|>, <|im_end|>, role names, newline
 TURNS, SYSTEM_LEN, USER_LEN, ANSWER_LEN, TOOL_LEN = 5, 300, 40, 60, 120
 READS = 200
+GROUP = 64  # episodes arriving together
 TOOLS = [
     {
         "type": "function",
@@ -251,6 +258,44 @@ def small_appends(folder: Path, n: int = 2000) -> tuple[float, float, float]:
     return statistics.median(wall), float(np.percentile(wall, 99)), statistics.median(cpu)
 
 
+@dataclass
+class Groups:
+    eps: float  # episodes per second through the recorder, groups of GROUP submitted together
+    fsyncs_per_episode: float
+    commits: int
+    single_eps: float  # the same episodes one at a time, each waited for (one commit each)
+    single_fsyncs_per_episode: float
+
+
+def recorder_rate(path: Path, corpus: Corpus, first: int, groups: int, size: int) -> tuple[float, int, int]:
+    """(seconds, fsyncs, commits) for ``groups`` groups of ``size`` episodes through a fresh recorder;
+    the episodes are generated before each group's clock starts."""
+    recorder = EpisodeRecorder(path)
+    elapsed = 0.0
+    try:
+        for g in range(groups):
+            records = [episode(corpus, first + g * size + k) for k in range(size)]
+            t0 = time.perf_counter()
+            for record in records:
+                recorder.submit_record(record)
+            if not recorder.flush(600):
+                raise SystemExit("the recorder did not commit a group within 10 minutes")
+            elapsed += time.perf_counter() - t0
+        stats = recorder.writer.stats
+        assert stats.episodes == groups * size and recorder.unwritten_ids() == frozenset()
+        return elapsed, stats.fsyncs, stats.commits
+    finally:
+        recorder.close()
+
+
+def group_commits(folder: Path, groups: int) -> Groups:
+    corpus = Corpus()
+    seconds, fsyncs, commits = recorder_rate(folder / "groups.h5", corpus, 0, groups, GROUP)
+    n = groups * GROUP
+    single_s, single_fsyncs, _ = recorder_rate(folder / "single.h5", corpus, 0, n, 1)
+    return Groups(n / seconds, fsyncs / n, commits, n / single_s, single_fsyncs / n)
+
+
 def write_store(h5: Path, n: int, checkpoint: int, rng: np.random.Generator) -> dict:
     corpus = Corpus()
     ids, appends, cpu, tokens, reads = [], [], 0.0, 0, {}
@@ -277,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="20k episodes, reads measured at 10k and 20k")
     parser.add_argument("--episodes", type=int, default=None, help="episodes to write (default 100k)")
     parser.add_argument(
+        "--groups", type=int, default=None, help=f"groups of {GROUP} for group commit (default 32; quick 8)"
+    )
+    parser.add_argument(
         "--dir", type=Path, default=None, help="where to write (a temporary folder by default)"
     )
     args = parser.parse_args(argv)
@@ -287,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(99)
     try:
         small = small_appends(folder)
+        groups = group_commits(folder, args.groups or (8 if args.quick else 32))
         child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
         child.start()
         run = write_store(h5, n, checkpoint, rng)
@@ -301,12 +350,19 @@ def main(argv: list[str] | None = None) -> int:
         h5_size, jsonl_size = h5.stat().st_size, jsonl.stat().st_size
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    report(n, run, small, summaries_s, h5_size, jsonl_size, checkpoint)
+    report(n, run, small, groups, summaries_s, h5_size, jsonl_size, checkpoint)
     return 0
 
 
 def report(
-    n: int, run: dict, small: tuple, summaries_s: float, h5_size: int, jsonl_size: int, checkpoint: int
+    n: int,
+    run: dict,
+    small: tuple,
+    groups: Groups,
+    summaries_s: float,
+    h5_size: int,
+    jsonl_size: int,
+    checkpoint: int,
 ) -> None:
     tokens, per = run["tokens"], run["appends"]
     write_eps = n / sum(per)
@@ -331,8 +387,15 @@ def report(
         )
     print(f"summaries() of {n} episodes with a fresh reader: {summaries_s:.2f} s")
     print(
+        f"recorder, groups of {GROUP} arriving together: {groups.eps:.0f} episodes/s, "
+        f"{groups.fsyncs_per_episode:.3f} fsyncs per episode ({groups.commits} commits); one at a time: "
+        f"{groups.single_eps:.0f} episodes/s, {groups.single_fsyncs_per_episode:.3f} fsyncs per episode; "
+        f"ratio {groups.eps / groups.single_eps:.2f}"
+    )
+    print(
         f"RESULT size_ratio={jsonl_size / h5_size:.2f} write_eps={write_eps:.0f} "
-        f"read_ms_10k={run['reads'][checkpoint].median_ms:.2f} read_ms_100k={run['reads'][n].median_ms:.2f}"
+        f"read_ms_10k={run['reads'][checkpoint].median_ms:.2f} read_ms_100k={run['reads'][n].median_ms:.2f} "
+        f"write_eps_group={groups.eps:.0f} fsyncs_per_episode={groups.fsyncs_per_episode:.3f}"
     )
 
 
