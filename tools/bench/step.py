@@ -87,9 +87,8 @@ WORK = ("collect", "build", "encode", "handover", "record")  # their sum is coor
 # ---- workload ------------------------------------------------------------------------------------------
 
 
-def episode(synth: merge_bench.Synth, decode: Callable[[list[int]], str], turns: int, forked: bool, **fields):
-    """One finished episode: ``Synth``'s calls as the timelines the server records for them."""
-    calls = synth.episode(turns, forked, fields["episode_id"])
+def episode(calls: list, decode: Callable[[list[int]], str], system: int, **fields) -> Episode:
+    """One finished episode: a generator's calls (plain samples) as the timelines the server records."""
     history = [
         {"role": "system", "content": "system prompt"},
         {"role": "user", "content": f"task {fields['task_id']}"},
@@ -104,7 +103,7 @@ def episode(synth: merge_bench.Synth, decode: Callable[[list[int]], str], turns:
                 prompt_ids=prompt,
                 response_ids=answer,
                 response_logprobs=call.old_logprobs[cut:],
-                token_authors=_authors(prompt) + [MODEL] * len(answer),
+                token_authors=_authors(prompt, system) + [MODEL] * len(answer),
                 loss_mask=[0] * len(prompt) + [1] * len(answer),
                 messages=[*history, reply],
                 tools=None,
@@ -120,39 +119,49 @@ def episode(synth: merge_bench.Synth, decode: Callable[[list[int]], str], turns:
     )
 
 
-def _authors(prompt: list[int]) -> list[int]:
+def _authors(prompt: list[int], system: int) -> list[int]:
     """Who wrote each prompt token, roughly (neither the collector nor merging reads authors)."""
-    system = merge_bench.SYSTEM_TOKENS
     return [SYSTEM if i < system else (USER if i % 3 else TOOL) for i in range(len(prompt))]
 
 
-def workload(episodes: int, turns: int, seed: int = 0) -> list[Episode]:
-    """``episodes`` finished episodes in task groups of ``GROUP_SIZE``, rewards unequal within each group."""
-    from transformers import AutoTokenizer
+def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> list[Episode]:
+    """``episodes`` finished episodes in task groups of ``GROUP_SIZE``, rewards unequal within each group.
 
-    model = resolve_model("builtin:tiny", Path(tempfile.mkdtemp(prefix="ajet-bench-step-")) / "models")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    synth = merge_bench.Synth(tokenizer, seed)
+    ``group``: ``merge.py``'s ``GroupWorkload`` (issue 17's group: Qwen2.5 vocabulary, ~500-token system
+    prompt, turns of 50-300 tokens, forked, summarised and re-tokenized episodes), one group per task;
+    ``synth``: ``merge.py``'s ``Synth`` (tiny model, 1.5k-token system prompt, every fourth episode forked).
+    """
     rng = random.Random(seed)
+    if kind == "group":
+        from ajet_hpc.engine.tiny_qwen import build_tokenizer
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        generator = merge_bench.GroupWorkload(build_tokenizer(), seed)
+        decode, system = generator.decode, merge_bench.GROUP_SYSTEM
+        calls = [c for _ in range(episodes // GROUP_SIZE) for c in generator.group(turns)]
+    else:
+        from transformers import AutoTokenizer
 
-    out = []
-    for e in range(episodes):
-        out.append(
-            episode(
-                synth,
-                decode,
-                turns,
-                forked=e % FORK_EVERY == FORK_EVERY - 1,
-                episode_id=f"ep{e:05d}",
-                task_id=f"task{e // GROUP_SIZE}",
-                repeat=e % GROUP_SIZE,
-                reward=float(e % GROUP_SIZE == 0) if e % 2 else rng.choice((0.0, 0.5, 1.0)),
-            )
+        model = resolve_model("builtin:tiny", Path(tempfile.mkdtemp(prefix="ajet-bench-step-")) / "models")
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        synth = merge_bench.Synth(tokenizer, seed)
+        system = merge_bench.SYSTEM_TOKENS
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        calls = [synth.episode(turns, e % FORK_EVERY == FORK_EVERY - 1, f"ep{e}") for e in range(episodes)]
+    return [
+        episode(
+            episode_calls,
+            decode,
+            system,
+            episode_id=f"ep{e:05d}",
+            task_id=f"task{e // GROUP_SIZE}",
+            repeat=e % GROUP_SIZE,
+            reward=float(e % GROUP_SIZE == 0) if e % 2 else rng.choice((0.0, 0.5, 1.0)),
         )
-    return out
+        for e, episode_calls in enumerate(calls)
+    ]
 
 
 # ---- one repeat ----------------------------------------------------------------------------------------
@@ -251,12 +260,13 @@ def output_layer_result(quick: bool) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    episodes = workload(args.episodes, args.turns)
+    episodes = workload(args.episodes, args.turns, args.workload)
     calls = sum(len(e.timelines) for e in episodes)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for e in episodes for t in e.timelines)
     print(
         f"workload: {len(episodes)} episodes x {args.turns} turns ({calls} calls, {tokens:,} call tokens), "
-        f"built in {time.monotonic() - started:.1f} s; merge {args.merge}, {args.repeats} repeat(s)",
+        f"built in {time.monotonic() - started:.1f} s; {args.workload}, merge {args.merge}, "
+        f"{args.repeats} repeat(s)",
         flush=True,
     )
     config = TrainerConfig(
@@ -304,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--merge", choices=("none", "linear", "tree"), default="linear")
+    parser.add_argument(
+        "--workload", choices=("group", "synth"), default="group", help="merge.py's GroupWorkload or Synth"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.turns, args.repeats = 64, 10, 2
