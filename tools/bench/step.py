@@ -3,12 +3,14 @@
     .venv/bin/python tools/bench/step.py            # 256 episodes x 25 turns (32 task groups of 8), 5 repeats
     .venv/bin/python tools/bench/step.py --quick    # 64 episodes x 10 turns, 2 repeats (a smoke check)
 
-Episodes are built from ``tools/bench/merge.py``'s generator (``Synth``, imported, not copied): token
-sequences in the tiny model's chat format, a ~1.5k-token system prompt and a task, then per turn a
-~100-token model action and a ~150-token tool output; every fourth episode is the forked variant (20 % of
-its turns retried: a call with the same prompt and another answer). Each call becomes a ``Timeline`` as the
-server records it (prompt, response, logprobs, authors, loss mask, messages), and each episode a finished
-``Episode`` with its task group's reward, as the collector receives it.
+Episodes come from ``tools/bench/merge.py``'s generators (imported, not copied). The default
+(``--workload group``) is ``GroupWorkload``: issue 17's task group of 8 episodes in the Qwen2.5 vocabulary
+(a ~500-token system prompt and a task, turns of 50-300 tokens, forked, summarised and re-tokenized
+episodes), one such group per task. ``--workload synth`` is ``Synth``: the tiny model's characters, a
+~1.5k-token system prompt, turns of a ~100-token action and a ~150-token tool output, every fourth episode
+forked. Each call becomes a ``Timeline`` as the server records it (prompt, response, logprobs, authors,
+loss mask, messages), and each episode a finished ``Episode`` with its task group's reward, as the
+collector receives it.
 
 Each repeat times the functions the coordinator calls for a step (``ajet_hpc/trainer/coordinator.py``), in
 the same order, on the same objects:
