@@ -83,6 +83,7 @@ class ServerContext:
         ``EpisodeRecorder.on_written``); without a store (tests), once it is closed."""
         self.coordinator = coordinator
         if self.recorder is not None:
+            self.episodes.on_closed(coordinator.collector.announce)  # coming: its task group waits for it
             self.recorder.on_written(coordinator.collector.add)
         else:
             self.episodes.on_closed(coordinator.collector.add)

@@ -14,10 +14,16 @@ served by a policy more than ``max_staleness`` versions behind the trained one i
 
 A task group that can no longer complete is dropped and counted (``dropped_incomplete``): when the
 repeats it lacks have already ended elsewhere (dropped as stale, or lost with a step), no client runs them
-again. After a restart, ``restore`` puts back the finished episodes no step consumed (read from the server
-store); every batch names the ids it consumes (trained, or dropped here) for the server's journal.
+again. A repeat that ended but is not yet in the server store (``announce``d, not yet ``add``-ed) is still
+coming: the trainer takes an episode only once it is stored. After a restart, ``restore`` puts back the
+finished episodes no step consumed (read from the server store); every batch names the ids it consumes
+(trained, or dropped here) for the server's journal.
 Episodes whose samples cannot be built are dropped when the batch is built (``Batch.invalid``,
 ``trainer.samples``); a batch left with none is ``carry_over``-ed: the next batch reports its drops.
+
+The coordinator may take the next batch while the ranks still train the current step (docs/architecture.md,
+"The coordinator's step"): ``next_batch(version=n)`` judges staleness against the policy that will train
+it, not the one serving now; a batch it then cannot send goes back with ``put_back`` (nothing consumed).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import contextlib
 import logging
 import statistics
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +51,8 @@ class Batch:
     shortfall: dict[str, int] = field(default_factory=dict)  # with ratios: tasks a client group owed
     dropped_incomplete: int = 0
     recovered: int = 0  # episodes of this batch restored from the store after a restart
+    recovered_ids: list[str] = field(default_factory=list)  # their ids
+    collect_s: float = 0.0  # the collector's own time for this batch: every try since the previous batch
     dropped_ids: list[str] = field(default_factory=list)  # consumed without training since the last batch
     invalid: dict[str, str] = field(default_factory=dict)  # episode id -> why it could not be built (samples)
 
@@ -103,14 +111,27 @@ class BatchCollector:
         self._since_batch = {"dropped_stale": 0, "skipped_equal": 0, "dropped_incomplete": 0}
         self._restored: set[str] = set()
         self._invalid: dict[str, str] = {}  # carried over from a batch that trained nothing
+        self._collect_s = 0.0  # time spent in tries since the last batch
+        self._in_transit: Counter[Key] = Counter()  # finished, on their way to the store (``announce``)
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
+    def announce(self, episode: Episode) -> None:
+        """A closed episode that `add` will get once the server store holds it (the server calls this on
+        close, `add` once written): until then its task group counts it as coming."""
+        if episode.state == FINISHED and episode.timelines:
+            self._in_transit[_key(episode)] += 1
+
+    # The recorder calls this for every closed episode once it is stored (the registry, without a store).
     def add(self, episode: Episode) -> None:
+        key = _key(episode)
+        if self._in_transit[key] > 1:
+            self._in_transit[key] -= 1
+        else:
+            self._in_transit.pop(key, None)
         if self.closed or episode.state != FINISHED or not episode.timelines:
             return
         self.stats.received += 1
-        key = (episode.group or "", episode.task_id or episode.episode_id)
         self._pending.setdefault(key, []).append(episode)
         self._changed.set()
 
@@ -136,19 +157,31 @@ class BatchCollector:
         for name in self._since_batch:
             self._since_batch[name] += getattr(batch, name)
 
+    def put_back(self, batch: Batch) -> None:
+        """A batch taken but never sent to the ranks (the step before it failed, or the job stops): its
+        episodes wait in the pool again, in front, and what it dropped is reported with the next batch."""
+        for group in reversed(batch.groups):
+            key = _key(group[0])
+            self._pending[key] = group + self._pending.get(key, [])
+            self._pending.move_to_end(key, last=False)
+        self._restored |= set(batch.recovered_ids)
+        self.carry_over(batch)
+        self._collect_s += batch.collect_s
+        self._changed.set()
+
     def set_policy_version(self, version: int) -> None:
         self._version = version
 
-    def _is_stale(self, episode: Episode) -> bool:
+    def _is_stale(self, episode: Episode, version: int) -> bool:
         oldest = min(timeline.policy_version for timeline in episode.timelines)
-        return self._version - oldest > self.config.max_staleness
+        return version - oldest > self.config.max_staleness
 
-    def _drop_stale(self) -> int:
+    def _drop_stale(self, version: int) -> int:
         dropped = 0
         for key in list(self._pending):
-            fresh = [e for e in self._pending[key] if not self._is_stale(e)]
+            fresh = [e for e in self._pending[key] if not self._is_stale(e, version)]
             dropped += len(self._pending[key]) - len(fresh)
-            self._dropped_ids += [e.episode_id for e in self._pending[key] if self._is_stale(e)]
+            self._dropped_ids += [e.episode_id for e in self._pending[key] if self._is_stale(e, version)]
             if fresh:
                 self._pending[key] = fresh
             else:
@@ -168,7 +201,7 @@ class BatchCollector:
                 continue
             episodes = self._pending[key]
             partial = len(episodes) % repeats
-            coming = self.repeats_of[group] - self.ended_count(group, task)
+            coming = self.repeats_of[group] - self.ended_count(group, task) + self._in_transit[key]
             if not partial or partial + coming >= repeats:
                 continue
             kept, gone = episodes[: len(episodes) - partial], episodes[len(episodes) - partial :]
@@ -195,17 +228,25 @@ class BatchCollector:
         batch.skipped_equal = self._since_batch["skipped_equal"]
         batch.dropped_incomplete = self._since_batch["dropped_incomplete"]
         self._since_batch = dict.fromkeys(self._since_batch, 0)
-        batch.recovered = sum(1 for e in batch.episodes if e.episode_id in self._restored)
-        self._restored -= {e.episode_id for e in batch.episodes}
+        batch.recovered_ids = [e.episode_id for e in batch.episodes if e.episode_id in self._restored]
+        batch.recovered = len(batch.recovered_ids)
+        self._restored -= set(batch.recovered_ids)
         return batch
 
-    def try_batch(self, now: float | None = None) -> Batch | None:
-        """A batch if one is ready now (removing its episodes from the pending pool)."""
-        batch = self._try_batch(now)
-        return None if batch is None else self._finish(batch)
+    def try_batch(self, now: float | None = None, version: int | None = None) -> Batch | None:
+        """A batch if one is ready now (removing its episodes from the pending pool). ``version``: the
+        policy version that will train it (staleness is judged against it); default the current one."""
+        started = time.perf_counter()
+        batch = self._try_batch(now, self._version if version is None else version)
+        self._collect_s += time.perf_counter() - started
+        if batch is None:
+            return None
+        batch = self._finish(batch)
+        batch.collect_s, self._collect_s = self._collect_s, 0.0
+        return batch
 
-    def _try_batch(self, now: float | None) -> Batch | None:
-        dropped = self._drop_stale()
+    def _try_batch(self, now: float | None, version: int) -> Batch | None:
+        dropped = self._drop_stale(version)
         self._drop_incomplete()
         repeats, wanted = self.config.repeats, self.config.tasks_per_batch
         if self.config.batch_policy == "episodes":
@@ -286,9 +327,10 @@ class BatchCollector:
         self._short_since = None
         return chosen, short
 
-    async def next_batch(self) -> Batch:
+    async def next_batch(self, version: int | None = None) -> Batch:
+        """The next batch, once one is ready; ``version`` as in `try_batch`."""
         while True:
-            batch = self.try_batch()
+            batch = self.try_batch(version=version)
             if batch is not None:
                 if batch.shortfall:
                     log.warning(

@@ -7,6 +7,11 @@ preemption signal (`Coordinator.save_on_signal`). On start it resumes from the r
 checkpoint: the engine gets that step's weights and the policy version continues, and the collector gets
 back the finished episodes of the server store that no step consumed (the journal, written before each
 step's batch goes to the ranks, names the consumed ones: no episode is trained twice).
+
+With ``max_staleness`` > 0 the next step's batch is collected, built and encoded while the ranks train the
+current step (docs/architecture.md, "The coordinator's step"): it is judged stale against the policy that
+will train it, and it is consumed (journal line, batch file) only once the current step is recorded; a batch
+prepared but never sent goes back to the collector, or, at a crash, stays unconsumed in the store.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ajet_hpc.algo.merge import MergeStats
+from ajet_hpc.algo.samples import Sample
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
@@ -36,7 +42,7 @@ from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir
+from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, encode_batch
 from ajet_hpc.trainer.samples import build_samples
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
@@ -80,6 +86,8 @@ class Coordinator:
         self.channel: TrainerChannel | None = None
         self.step = 0
         self._in_flight: _InFlight | None = None  # the step the ranks are training, until it is recorded
+        self._ahead: asyncio.Task | None = None  # preparing the next step's batch while the ranks train
+        self._ranks_idle_since = 0.0  # monotonic: the ranks' last result (or start): they wait from then
         self._recorded_step = 0  # the last step recorded (metrics row, store) since the ranks started
         self.stopping = False  # set by save_on_signal: no batch goes to the ranks any more
 
@@ -125,14 +133,14 @@ class Coordinator:
             )
             failures, ended, retry = 0, None, None
             while self.step < total:
-                batch, retry = retry or await self._next_batch(), None
+                prepared, retry = await self._take_prepared(retry), None
                 if self.stopping:  # saved on a signal: the job is going down, nothing more is trained
                     await asyncio.Future()  # until the server's shutdown cancels this task
-                if batch is None:
+                if prepared is None:
                     ended = f"task sources exhausted at step {self.step} of {total} ({self.sources_ended()})"
                     break
                 try:
-                    if not await self._train_step(channel, batch):
+                    if not await self._train_prepared(channel, prepared):
                         continue  # nothing in the batch could be built: the next batch trains this step
                     failures = 0
                 except TrainerFailed as error:
@@ -140,9 +148,10 @@ class Coordinator:
                         raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
                     self._restarting(error, failures)
+                    await self._put_back_ahead()  # prepared for a step after the failed one: not sent
                     self.close()
                     _discard_batches(WorkDir(self.work_dir))
-                    retry = batch  # trained again by the new ranks: its episodes are not lost
+                    retry = prepared.batch  # trained again by the new ranks: its episodes are not lost
                     channel = await self._start_ranks()
                     bar.reset(total)
                     bar.update(self.step)
@@ -154,6 +163,8 @@ class Coordinator:
                 await self._end_early(channel, ended)
             channel.request_stop()
         finally:
+            if self._ahead is not None:  # a batch prepared for a step that never comes: not consumed
+                self._ahead.cancel()
             if sync_server is not None:
                 sync_server.cancel()
         log.info("training of %s finished at step %d", self.server.name, self.step)
@@ -164,10 +175,11 @@ class Coordinator:
     """Set by the server: a description once every client task feeding it has used up its tasks (or
     failed for good), else None (``ajet_hpc.storage.task_ends``)."""
 
-    async def _next_batch(self) -> Batch | None:
-        """The collector's next batch; None once no batch can come: every feeding client task has used up
-        its tasks and none formed for ``SOURCES_POLL_S`` after that."""
-        pending = asyncio.ensure_future(self.collector.next_batch())
+    async def _next_batch(self, version: int | None = None) -> Batch | None:
+        """The collector's next batch (``version``: the policy that will train it); None once no batch can
+        come: every feeding client task has used up its tasks and none formed for ``SOURCES_POLL_S``
+        after that."""
+        pending = asyncio.ensure_future(self.collector.next_batch(version))
         try:
             while True:
                 done, _ = await asyncio.wait({pending}, timeout=SOURCES_POLL_S)
@@ -175,6 +187,10 @@ class Coordinator:
                     return pending.result()
                 if self.sources_ended() is not None:
                     return None
+        except asyncio.CancelledError:
+            if pending.done() and not pending.cancelled() and pending.exception() is None:
+                self.collector.put_back(pending.result())  # taken the moment this was cancelled
+            raise
         finally:
             pending.cancel()
 
@@ -241,6 +257,7 @@ class Coordinator:
         channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
         self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
+        self._ranks_idle_since = time.monotonic()
         self.step = int(ready.get("step", 0))
         self._recorded_step = self.step  # steps after the checkpoint run (and are recorded) again
         if self.step:
@@ -304,11 +321,74 @@ class Coordinator:
         )
 
     async def _train_step(self, channel: TrainerChannel, batch: Batch) -> bool:
-        """Train one step on the batch; False when none of its episodes could be built (each one dropped,
-        reported with the next batch): no step then."""
-        started = time.monotonic()
+        """Train the next step on ``batch``; False when none of its episodes could be built (each one
+        dropped, reported with the next batch): no step then."""
+        prepared = await self._prepare(self.step + 1, batch)
+        return prepared is not None and await self._train_prepared(channel, prepared)
+
+    def _overlaps(self) -> bool:
+        """Whether the next batch may be prepared while the ranks train: only if its samples can be within
+        ``max_staleness`` of the policy that will train them (see docs/architecture.md). With
+        ``max_staleness: 0`` they must come from the policy the running step makes: no overlap."""
+        return self.config.max_staleness > 0
+
+    async def _take_prepared(self, retry: Batch | None) -> _Prepared | None:
+        """The next step's prepared batch: ``retry`` (a failed step's batch) built again, the batch prepared
+        while the last step trained, or a new one; None when no batch can come any more."""
         step = self.step + 1
+        if retry is not None:
+            return await self._prepare(step, retry)
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            prepared = await ahead
+            if prepared is None or prepared.step == step:
+                return prepared
+            self.collector.put_back(prepared.batch)  # prepared for another step (ranks restarted)
+        return await self._prepare(step)
+
+    async def _prepare(self, step: int, batch: Batch | None = None) -> _Prepared | None:
+        """Collect step ``step``'s batch (unless given), build its samples (credit, merging, packing) and
+        encode its batch file, in a worker thread: the event loop goes on serving. Nothing is consumed:
+        the journal line and the batch file come with `_train_prepared`. None: no batch can come any more.
+
+        Cancelled after it took a batch, it puts the batch back in the collector once the build is over."""
+        if batch is None:
+            batch = await self._next_batch(version=step - 1)  # step n trains on policy n - 1
+            if batch is None:
+                return None
+        taken = time.monotonic()
+        save = step % self.config.save_every == 0 or step == self.config.total_steps
+        build = asyncio.ensure_future(asyncio.to_thread(self._build, step, batch, save))
+        try:
+            samples, merging, encoded = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            build.add_done_callback(lambda _: self.collector.put_back(batch))
+            raise
+        built = time.monotonic()
+        work = [(taken - batch.collect_s, taken), (taken, built)]  # collecting, then building
+        return _Prepared(step, batch, samples, merging, encoded, save, work, taken, built)
+
+    def _build(self, step: int, batch: Batch, save: bool) -> tuple[list[Sample], MergeStats, bytes]:
+        """(In a worker thread.) The batch's samples, what merging did, and the batch file's bytes."""
         samples, merging = build_samples(batch, self.config, self._decode)  # drops the episodes at fault
+        return samples, merging, encode_batch(step, samples, save) if samples else b""
+
+    async def _put_back_ahead(self) -> None:
+        """The batch being prepared for a later step goes back to the collector, unconsumed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        if not ahead.done():
+            ahead.cancel()  # `_prepare` puts back a batch it took
+            return
+        prepared = None if ahead.cancelled() or ahead.exception() else ahead.result()
+        if prepared is not None:
+            self.collector.put_back(prepared.batch)
+
+    async def _train_prepared(self, channel: TrainerChannel, prepared: _Prepared) -> bool:
+        """Consume a prepared batch (journal line, fsynced, then the batch file), start preparing the next
+        one when staleness allows, wait for the result, sync the weights, record the step."""
+        batch, samples, step = prepared.batch, prepared.samples, prepared.step
         if not samples:
             log.warning(
                 "step %d: no episode of the batch could be built (%d dropped: %s); the next batch trains it",
@@ -318,18 +398,30 @@ class Coordinator:
             )
             self.collector.carry_over(batch)
             return False
-        save = step % self.config.save_every == 0 or step == self.config.total_steps
+        prepared.ranks_idle_since = self._ranks_idle_since
+        started = max(prepared.taken, self._ranks_idle_since)  # the step begins once both are there
         on_policy = self.config.max_staleness == 0
         if on_policy:
             self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
-            self._in_flight = _InFlight(step, batch, samples, merging, started)
+            in_flight = self._in_flight = _InFlight(prepared, started)
             colocated = self.placement.mode == "colocate"
             sleep_s = await self.ctx.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
             trained_ids = list(dict.fromkeys(e.episode_id for e in batch.episodes))
-            await asyncio.to_thread(self.journal.append, step, trained_ids, batch.dropped_ids)
-            channel.submit(step, samples, save_checkpoint=save)
+            journal_at = time.monotonic()
+            if not self.stopping:
+                await asyncio.to_thread(self.journal.append, step, trained_ids, batch.dropped_ids)
+            if self.stopping:  # saved on a signal meanwhile: the batch never goes to the ranks
+                await asyncio.Future()  # until the server's shutdown cancels this task
+            channel.submit(step, samples, save_checkpoint=prepared.save, encoded=prepared.encoded)
+            in_flight.submitted = True
+            prepared.work.append((journal_at, time.monotonic()))
+            if self._overlaps() and step < self.config.total_steps:
+                self._ahead = asyncio.get_running_loop().create_task(
+                    self._prepare(step + 1), name="prepare-next-batch"
+                )
             result = await channel.wait_result(step)
+            self._ranks_idle_since = time.monotonic()
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
                 return True
             trained = time.monotonic()
@@ -346,7 +438,7 @@ class Coordinator:
         self._in_flight = None
         self.step = step
         self.collector.set_policy_version(step)
-        self._record(batch, samples, merging, result, time.monotonic() - started, sync_s)
+        self._record(prepared, result, time.monotonic() - started, sync_s)
         return True
 
     def save_on_signal(self, timeout_s: float) -> int | None:
@@ -365,18 +457,13 @@ class Coordinator:
             return None
         deadline = time.monotonic() + timeout_s
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
+        if in_flight is not None and not in_flight.submitted:
+            log.info("signal: step %d was not handed to the ranks; it is not trained", in_flight.step)
+        elif in_flight is not None:
             log.info("signal: waiting for step %d to finish before checkpointing it", in_flight.step)
             result = channel.wait_result_blocking(in_flight.step, max(1.0, deadline - time.monotonic()))
             self.step = in_flight.step
-            self._record(
-                in_flight.batch,
-                in_flight.samples,
-                in_flight.merging,
-                result,
-                time.monotonic() - in_flight.started,
-                0.0,
-            )
+            self._record(in_flight.prepared, result, time.monotonic() - in_flight.started, 0.0)
         if self.step == 0:
             channel.request_stop()
             return None
@@ -395,13 +482,12 @@ class Coordinator:
             ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
 
-    def _record(
-        self, batch: Batch, samples, merging: MergeStats, result: dict, step_s: float, sync_s: float
-    ) -> None:
+    def _record(self, prepared: _Prepared, result: dict, step_s: float, sync_s: float) -> None:
         if self.step <= self._recorded_step:  # save_on_signal recorded it during the step's last awaits
             log.info("step %d is recorded already", self.step)
             return
         self._recorded_step = self.step
+        batch, samples, merging = prepared.batch, prepared.samples, prepared.merging
         mean, std = reward_stats(batch)
         lag = [self.step - 1 - sample.policy_version for sample in samples]
         row = {
@@ -416,6 +502,9 @@ class Coordinator:
             "step_time_s": round(step_s, 4),
             "train_time_s": result.get("step_time_s"),
             "weight_sync_s": round(sync_s, 4),
+            "coordinator_s": round(prepared.work_s(), 4),
+            "coordinator_critical_s": round(prepared.work_s(after=prepared.ranks_idle_since), 4),
+            "prepared_ahead": prepared.built < prepared.ranks_idle_since,
             "weight_sync": result.get("weights"),
             "weight_sync_bytes": result.get("sync_bytes"),
             "engine_pause_s": _round(result.get("pause_s")),
@@ -438,7 +527,7 @@ class Coordinator:
             self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
             "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  samples %d→%d  step %.2fs  "
-            "weight sync %.0f ms",
+            "weight sync %.0f ms  coordinator %.2fs (%.2fs while the ranks waited)",
             self.step,
             self.config.total_steps,
             mean,
@@ -450,6 +539,8 @@ class Coordinator:
             merging.samples_after,
             step_s,
             sync_s * 1000,
+            row["coordinator_s"],
+            row["coordinator_critical_s"],
         )
 
     def close(self) -> None:
@@ -491,13 +582,36 @@ def _sync_backend(engine, trainer: TrainerConfig) -> str | None:
     return backend if trainer.weight_sync == "memory" else None
 
 
-@dataclass(frozen=True)
-class _InFlight:
+@dataclass
+class _Prepared:
+    """A batch made ready for step ``step``: its samples, what merging did, its batch file's bytes, and
+    the coordinator's work on it so far as (start, end) times (``time.monotonic``)."""
+
     step: int
     batch: Batch
-    samples: list
+    samples: list[Sample]
     merging: MergeStats
+    encoded: bytes
+    save: bool
+    work: list[tuple[float, float]]
+    taken: float  # when the collector gave the batch
+    built: float  # when the build was over
+    ranks_idle_since: float = 0.0  # set when it goes to the ranks: when their previous step ended
+
+    def work_s(self, after: float = 0.0) -> float:
+        """Seconds of work, counting only what was done after ``after``."""
+        return sum(max(0.0, end - max(start, after)) for start, end in self.work)
+
+
+@dataclass
+class _InFlight:
+    prepared: _Prepared
     started: float
+    submitted: bool = False  # the batch file is in the ranks' inbox
+
+    @property
+    def step(self) -> int:
+        return self.prepared.step
 
 
 def _round(value) -> float | None:

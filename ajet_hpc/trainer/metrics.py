@@ -55,6 +55,7 @@ KEYS = (
     "step_time_s",
     "train_time_s",
     "weight_sync_s",
+    "coordinator_s",
     "policy_version",
     "staleness",
     "skipped_equal_groups",

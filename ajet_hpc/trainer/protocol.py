@@ -4,8 +4,9 @@ Everything lives in one work dir on shared storage (``RUN/ckpt/<model>/``); ever
 temporary name and renamed, so a reader sees a whole file or none:
 
 ``inbox/step-000001.pt``
-    A batch, written by the coordinator: ``torch.save({"step": int, "samples": [asdict(Sample), ...],
-    "save_checkpoint": bool})``. Rank 0 deletes it once the step's result is written.
+    A batch, written by the coordinator: ``torch.save({"step": int, "samples": [Sample's fields, ...],
+    "save_checkpoint": bool})``, the per-token fields as 64-bit tensors. Rank 0 deletes it once the
+    step's result is written.
 ``outbox/step-000001.json``
     The result, written by rank 0 after the optimizer step and the weight export: ``{"step", "loss", "kl",
     "entropy", "clip_frac", "grad_norm", "tokens", "samples", "step_time_s", "export_time_s",
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ajet_hpc.algo.samples import Sample
@@ -163,20 +165,41 @@ class Batch:
     save_checkpoint: bool
 
 
-def write_batch(work: WorkDir, step: int, samples: list[Sample], save_checkpoint: bool) -> Path:
+_ARRAY_FIELDS = {
+    "token_ids": np.int64,
+    "loss_mask": np.int64,
+    "old_logprobs": np.float64,
+    "advantages": np.float64,
+    "weights": np.float64,
+    "parents": np.int64,
+}
+"""Per-token fields of a sample, stored as tensors (exact: 64-bit); pickling them as lists of Python numbers
+(and ``dataclasses.asdict``'s deep copy) cost seconds per step at real batch sizes."""
+
+
+def encode_batch(step: int, samples: list[Sample], save_checkpoint: bool) -> bytes:
+    """The bytes of a batch file (see the module doc); the per-token fields are tensors."""
     if step < 1:
         raise ValueError(f"steps start at 1, got {step}")
     if not samples:
         raise ValueError(f"step {step}: a batch needs at least one sample")
     payload = {
         "step": step,
-        "samples": [dataclasses.asdict(s) for s in samples],
+        "samples": [_encode_sample(s) for s in samples],
         "save_checkpoint": bool(save_checkpoint),
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def write_batch(
+    work: WorkDir, step: int, samples: list[Sample], save_checkpoint: bool, encoded: bytes | None = None
+) -> Path:
+    """Write step ``step``'s batch file; ``encoded``: its bytes from `encode_batch`, made beforehand."""
+    data = encode_batch(step, samples, save_checkpoint) if encoded is None else encoded
     path = work.batch_file(step)
-    write_bytes_atomic(path, buffer.getvalue())
+    write_bytes_atomic(path, data)
     return path
 
 
@@ -184,9 +207,22 @@ def read_batch(path: Path) -> Batch:
     payload = torch.load(path, weights_only=True)
     return Batch(
         step=int(payload["step"]),
-        samples=[Sample(**s) for s in payload["samples"]],
+        samples=[Sample(**_decode_sample(s)) for s in payload["samples"]],
         save_checkpoint=bool(payload["save_checkpoint"]),
     )
+
+
+def _encode_sample(sample: Sample) -> dict[str, Any]:
+    out = {}
+    for item in dataclasses.fields(sample):
+        value = getattr(sample, item.name)
+        kind = _ARRAY_FIELDS.get(item.name)
+        out[item.name] = torch.from_numpy(np.asarray(value, kind)) if kind and value is not None else value
+    return out
+
+
+def _decode_sample(fields: dict[str, Any]) -> dict[str, Any]:
+    return {name: v.tolist() if isinstance(v, torch.Tensor) else v for name, v in fields.items()}
 
 
 # ---- results -------------------------------------------------------------------------------------------
@@ -319,10 +355,13 @@ class TrainerChannel:
         self._alive = alive
         self._log_path = log_path
 
-    def submit(self, step: int, samples: list[Sample], save_checkpoint: bool = False) -> Path:
-        """Hand step ``step``'s batch to the ranks (removing a stale result of an abandoned run first)."""
+    def submit(
+        self, step: int, samples: list[Sample], save_checkpoint: bool = False, encoded: bytes | None = None
+    ) -> Path:
+        """Hand step ``step``'s batch to the ranks (removing a stale result of an abandoned run first);
+        ``encoded``: the batch file's bytes made beforehand (`encode_batch`)."""
         self.work.result_file(step).unlink(missing_ok=True)
-        return write_batch(self.work, step, samples, save_checkpoint)
+        return write_batch(self.work, step, samples, save_checkpoint, encoded)
 
     async def wait_result(self, step: int, poll_s: float = 0.05, timeout_s: float | None = None) -> dict:
         """The result of step ``step``; ``TrainerFailed`` if the step failed or the ranks are gone,

@@ -25,6 +25,8 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import episode_token_advantages, turn_returns
 from ajet_hpc.algo.merge import MergeStats, Snap
@@ -115,7 +117,7 @@ def _build(
     for group in batch.groups:
         with _blame(group, "the task group's advantages"):
             built = call_samples(group, config.turn_gamma)
-        if any(not math.isfinite(a) for episode in built for s in episode for a in s.advantages):
+        if not all(np.isfinite(np.asarray(s.advantages, np.float64)).all() for e in built for s in e):
             raise _Faulty(group, "the task group's advantages are not finite (rewards too large?)")
         per_call.append(built)
     if config.loss_weighting == "episode":

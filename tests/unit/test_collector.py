@@ -113,6 +113,29 @@ def test_a_group_that_can_no_longer_complete_is_dropped_and_reported() -> None:
     assert batch.dropped_incomplete == 1 and batch.dropped_ids == ["math-t0-1.0"]
 
 
+def test_repeats_that_ended_but_are_not_yet_stored_still_count_as_coming() -> None:
+    """The server hands the collector an episode once the store holds it, but counts a repeat as ended at
+    its end: between the two the repeat is announced (in transit). A group whose repeats all ended, one of
+    them stored, waits for the others instead of being dropped as one that can no longer complete (which
+    broke every group while the coordinator collected during a step)."""
+    ended: dict[tuple[str, str], int] = {}
+    collector = BatchCollector(config(tasks_per_batch=1), repeats_of={"math": 2})
+    collector.ended_count = lambda group, task: ended.get((group, task), 0)
+    first, second = finished("math", "t0", 0.0), finished("math", "t0", 1.0)
+    for episode in (first, second):  # both end: counted, announced, queued for the store
+        ended[("math", "t0")] = ended.get(("math", "t0"), 0) + 1
+        collector.announce(episode)
+    collector.add(first)  # the first is written
+    assert collector.try_batch() is None and collector.stats.dropped_incomplete == 0
+    collector.add(second)
+    batch = collector.try_batch()
+    assert batch is not None and batch.episodes == [first, second]
+    assert batch.dropped_incomplete == 0 and batch.dropped_ids == []
+    collector.add(finished("math", "t1", 0.0))  # never announced (restored, or no store): nothing in transit
+    ended[("math", "t1")] = 2
+    assert collector.try_batch() is None and collector.stats.dropped_incomplete == 1
+
+
 def test_restored_and_stale_episodes_are_counted_in_the_next_batch() -> None:
     collector = BatchCollector(config(tasks_per_batch=1, max_staleness=1))
     collector.set_policy_version(1)
