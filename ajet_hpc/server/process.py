@@ -28,6 +28,7 @@ from ajet_hpc.server.recovery import stored_summaries
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +308,10 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         )
         coordinator.rank_env = step_env
         coordinator.stored = stored
+        if len(topology.run.trackers) > 1:  # beyond metrics.jsonl
+            coordinator.trackers = Trackers(run.root, topology.run.name, config.name, topology.run.trackers)
         coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
-        coordinator.collector.ended_count = lambda group, task: (  # ended, less those not yet in the store
-            ctx.episodes.ended_count(group, task) - ctx.recorder.waiting(group, task)
-        )
+        coordinator.collector.ended_count = ctx.episodes.ended_count
         coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
         ctx.attach_trainer(coordinator)
     server = GracefulServer(

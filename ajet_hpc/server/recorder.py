@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +72,6 @@ class EpisodeRecorder:
         self._unwritten: list = []  # records taken, not yet committed, oldest first (the recorder thread's)
         self._unwritten_ids: frozenset[str] = frozenset()  # their episode ids, for other threads
         self._on_written: list[Callable[[Any], None]] = []
-        self._waiting: Counter[tuple[str, str]] = Counter()  # (group, task): closed, not yet handed on
-        self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._drain, name="episode-recorder", daemon=True)
         self._thread.start()
 
@@ -89,16 +86,7 @@ class EpisodeRecorder:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        with self._waiting_lock:
-            self._waiting[_task_of(episode)] += 1
         self._queue.put(_Closed(EpisodeRecord.from_episode(episode), episode, loop))
-
-    def waiting(self, group: str, task_id: str) -> int:
-        """Episodes of a task closed but not yet handed to the ``on_written`` callbacks: the trainer's
-        collector counts them as still coming (else a task group whose other repeats are on their way to
-        the store would look as if they can no longer arrive)."""
-        with self._waiting_lock:
-            return self._waiting[(group, task_id)]
 
     def submit_record(self, record: EpisodeRecord) -> None:
         """Queue an episode's record alone (no callbacks)."""
@@ -205,12 +193,7 @@ class EpisodeRecorder:
             item.loop.call_soon_threadsafe(self._hand_on, item.episode)
 
     def _hand_on(self, episode) -> None:
-        """On the loop that closed ``episode``: no longer waiting, and given to the callbacks, in one go."""
-        with self._waiting_lock:
-            key = _task_of(episode)
-            self._waiting[key] -= 1
-            if self._waiting[key] <= 0:
-                del self._waiting[key]
+        """On the loop that closed ``episode``: give it to the callbacks."""
         for callback in self._on_written:
             callback(episode)
 
@@ -241,10 +224,6 @@ class EpisodeRecorder:
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
         self.writer.close()
-
-
-def _task_of(episode) -> tuple[str, str]:
-    return (episode.group or "", episode.task_id or episode.episode_id)
 
 
 def _ends_group(item: Any) -> bool:

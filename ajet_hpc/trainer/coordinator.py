@@ -45,6 +45,7 @@ from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, encode_batch
 from ajet_hpc.trainer.samples import build_samples
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.trackers import Trackers, step_histograms
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Coordinator:
         self.collector = BatchCollector(server.trainer, mix=mix)
         self.journal = ConsumedJournal(self.work_dir / "consumed.jsonl")
         self.stored: list[dict] | None = None  # the store's summaries read at the server's start, if any
+        self.trackers: Trackers | None = None  # run.trackers beyond metrics.jsonl (TensorBoard, W&B, MLflow)
         self._restored = False
         self.placement = placement or server_placement(server)
         self.sync_backend = _sync_backend(ctx.engine, server.trainer)
@@ -523,6 +525,8 @@ class Coordinator:
         }
         metrics.append_row(self.metrics_path, row)
         self.last_step_at = row["time"]
+        if self.trackers is not None:
+            self.trackers.log(row, step_histograms(batch.episodes, samples))
         if self.ctx.recorder is not None:
             self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
@@ -546,7 +550,10 @@ class Coordinator:
     def close(self) -> None:
         """Stop the ranks: ask (they exit at their next wait for a batch), then SIGTERM, then SIGKILL to
         torchrun and every rank (each rank runs in a session of its own: killing torchrun alone would
-        leave ranks hung in a collective running on)."""
+        leave ranks hung in a collective running on). The trackers are closed first."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            trackers.close()
         if self.process is None or self.process.poll() is not None:
             return
         TrainerChannel(self.work_dir).request_stop()

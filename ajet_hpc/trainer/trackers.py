@@ -59,6 +59,22 @@ def scalars(row: Mapping[str, Any], prefix: str) -> dict[str, float]:
     return out
 
 
+def step_histograms(episodes: Sequence[Any], samples: Sequence[Any]) -> dict[str, list[float]]:
+    """A step's distributions: each episode's reward, each episode's response length (the model's own
+    tokens trained, over its samples) and advantage (its trained tokens' mean)."""
+    lengths: dict[str, float] = {}
+    advantage_sums: dict[str, float] = {}
+    for sample in samples:
+        trained = [a for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m]
+        lengths[sample.episode_id] = lengths.get(sample.episode_id, 0) + len(trained)
+        advantage_sums[sample.episode_id] = advantage_sums.get(sample.episode_id, 0.0) + sum(trained)
+    return {
+        "rewards": [float(e.reward) for e in episodes if e.reward is not None],
+        "response_lengths": list(lengths.values()),
+        "advantages": [advantage_sums[e] / lengths[e] for e in lengths if lengths[e]],
+    }
+
+
 class Trackers:
     """The trackers of one server process. ``log`` takes a step's row and histograms; ``close`` at the end."""
 

@@ -42,14 +42,23 @@ def test_quickstart_learns(tmp_path: Path) -> None:
 
 def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
     """The guessing game (up to four calls per episode) with linear merging: every step trains fewer
-    samples than there were calls, and the same trained tokens."""
+    samples than there were calls, and the same trained tokens. Its rows also go to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     _, rows = run_locally(
         "guess.yaml",
         tmp_path / "guess",
         "servers.policy.trainer.total_steps=3",
         "servers.policy.trainer.tasks_per_batch=4",
+        "run.trackers=[tensorboard]",
     )
     assert [row["step"] for row in rows] == [1, 2, 3]
+    events = EventAccumulator(str(tmp_path / "guess" / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("policy/samples")] == [
+        (r["step"], r["samples"]) for r in rows
+    ]
+    assert [h.step for h in events.Histograms("policy/response_lengths")] == [1, 2, 3]
     for row in rows:
         assert row["samples"] == row["episodes"]  # one linear conversation each: one sample
         assert row["samples_before_merge"] > row["samples"]
