@@ -44,8 +44,8 @@ The last line is::
            merge_s=<> pack_s=<> rest_s=<> encode_s=<> handover_s=<> record_s=<>
            [vocab_speedup=<> logits_mem_ratio=<>]
 
-The bracketed keys come from ``tools/bench/output_layer.py``'s ``measure_vocab(quick)`` when that module is
-there (see `output_layer_result`).
+The bracketed keys come from ``tools/bench/output_layer.py``'s ``measure_vocab(quick)`` (see
+`output_layer_result`; ``--no-vocab`` leaves them out).
 """
 
 from __future__ import annotations
@@ -244,17 +244,16 @@ def _lap(started: float) -> float:
 
 
 def output_layer_result(quick: bool) -> dict[str, float]:
-    """Hook for the output-layer measurement: ``tools/bench/output_layer.py``'s ``measure_vocab(quick)``
-    trains one step on a 2-layer model with the Qwen2.5 vocabulary, today's output layer against the new
-    one, and returns its RESULT keys (``vocab_speedup``, ``logits_mem_ratio``). Empty while that module is
-    not there; any other error of it stops this benchmark."""
-    try:
-        import output_layer
-    except ModuleNotFoundError as missing:
-        if missing.name != "output_layer":
-            raise
-        return {}
-    return dict(output_layer.measure_vocab(quick))
+    """``tools/bench/output_layer.py``'s ``measure_vocab(quick)``: one step on a 2-layer model with the
+    Qwen2.5 vocabulary, today's output layer against the chunked one; its two RESULT keys."""
+    import output_layer
+
+    measured = output_layer.measure_vocab(quick)
+    print(
+        f"output layer: old {measured['old_s']:.2f} s, peak {measured['old_peak_mb']:.0f} MiB; "
+        f"new {measured['new_s']:.2f} s, peak {measured['new_peak_mb']:.0f} MiB"
+    )
+    return {key: measured[key] for key in ("vocab_speedup", "logits_mem_ratio")}
 
 
 # ---- main ----------------------------------------------------------------------------------------------
@@ -298,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         name = phase.strip()
         spread = f"{min(r[name] for r in runs):.3f}-{max(r[name] for r in runs):.3f}"
         print(f"  {phase:12} {med[name]:8.3f}   ({spread})")
-    extra = output_layer_result(args.quick)
+    extra = {} if args.no_vocab else output_layer_result(args.quick)
     keys = {"coordinator_s": med["coordinator"], "critical_s": med["critical"]}
     keys.update({f"{p}_s": med[p] for p in PHASES}, **extra)
     print("RESULT " + " ".join(f"{key}={_fmt(value)}" for key, value in keys.items()))
@@ -316,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--merge", choices=("none", "linear", "tree"), default="linear")
+    parser.add_argument("--no-vocab", action="store_true", help="leave out the output-layer measurement")
     parser.add_argument(
         "--workload", choices=("group", "synth"), default="group", help="merge.py's GroupWorkload or Synth"
     )
