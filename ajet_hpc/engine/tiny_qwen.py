@@ -144,11 +144,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2ForCausalLM:
-    """A randomly initialised two-layer Qwen2 (about 19.5 M parameters, nearly all in the tied embedding)."""
+    """A randomly initialised two-layer Qwen2 (about 19.5 M parameters, nearly all in the tied embedding).
+
+    A ``vocab_size`` without room for the control tokens (e.g. the 151,643 ordinary tokens alone, as
+    benchmarks of the output layer use) gives a model without special token ids."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     endoftext, im_end = FIRST_CONTROL_ID, FIRST_CONTROL_ID + 2
+    special = (
+        {"bos_token_id": endoftext, "eos_token_id": im_end, "pad_token_id": endoftext}
+        if im_end < vocab_size
+        else {}
+    )
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -160,14 +168,13 @@ def build_model(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2ForCausalLM
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        bos_token_id=endoftext,
-        eos_token_id=im_end,
-        pad_token_id=endoftext,
+        **special,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = [im_end, endoftext]
-    model.generation_config.pad_token_id = endoftext
+    if special:
+        model.generation_config.eos_token_id = [im_end, endoftext]
+        model.generation_config.pad_token_id = endoftext
     return model
 
 

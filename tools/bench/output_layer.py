@@ -42,6 +42,7 @@ from ajet_hpc.algo.grpo import entropy_from_logits, policy_loss, token_logprobs 
 from ajet_hpc.algo.output_layer import model_logprobs  # noqa: E402
 from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches  # noqa: E402
 from ajet_hpc.config.topology import TrainerConfig  # noqa: E402
+from ajet_hpc.engine import tiny_qwen  # noqa: E402
 from ajet_hpc.trainer.step import model_inputs  # noqa: E402
 
 VOCAB = 151_643
@@ -52,23 +53,9 @@ MICRO_BATCH_TOKENS = 2048
 
 def build_model(seed: int = 0):
     """``builtin:tiny-qwen``'s network with the 151,643-token vocabulary (no padding rows, no pad id)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float().train()
+    model = tiny_qwen.build_model(VOCAB, seed)
+    model.config.use_cache = False
+    return model.float().train()
 
 
 def workload(samples: int, seed: int = 0) -> list[Sample]:
