@@ -2,14 +2,18 @@
 
 A pure ASGI middleware in front of the routes. It checks the ``Authorization`` header of every route that
 needs one with the functions of ``auth`` (the same the routes call again on the full request) and answers
-401/403 without receiving a byte of the body, so an unauthenticated client cannot make the server read,
-buffer or parse anything. An authenticated body is capped at ``serving.max_request_bytes``: a larger
+401/403 before the body is parsed or buffered, so an unauthenticated client cannot make the server parse or
+hold anything: a small body (``DISCARD_BYTES`` at most, arriving within ``DISCARD_S``) is read and thrown
+away first, so the client reads the answer instead of a connection reset (a server that closes a socket
+with unread bytes in it sends RST, which can overtake the answer); a larger or slower one stays unread and
+the connection is closed. An authenticated body is capped at ``serving.max_request_bytes``: a larger
 ``Content-Length`` is answered 413 up front, and a body sent without one (chunked) is counted as it streams
 and cut off with 413 once it passes the cap.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -26,6 +30,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PUBLIC = frozenset({"/health", "/v1/auth/challenge"})  # the challenge: ajet_hpc/server/challenge.py
 MODEL_CALLS = frozenset({"chat/completions", "completions"})
+DISCARD_BYTES = 64 * 1024  # a refused request's body up to this size is read and dropped before the answer
+DISCARD_S = 0.5  # ... if it arrives within this time
 
 
 class BodyTooLarge(HTTPException):
@@ -87,7 +93,8 @@ class RequestGate:
             check_credentials(scope["path"], headers.get(b"authorization"), ctx.secret, ctx.name)
         except AuthError as exc:
             kind = "authentication_error" if exc.status_code == 401 else "permission_error"
-            await _answer(scope, receive, send, exc.status_code, str(exc), kind, exc.code)
+            drained = await _discard_small_body(receive, headers.get(b"content-length"))
+            await _answer(scope, receive, send, exc.status_code, str(exc), kind, exc.code, drained)
             return
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -126,11 +133,39 @@ class RequestGate:
             await _answer(scope, receive, send, 413, str(exc.detail), None, "request_too_large")
 
 
+async def _discard_small_body(receive: Receive, declared: str | None) -> bool:
+    """Read and drop the body of a refused request if it is small and prompt; True when all of it was read
+    (the connection can then be reused)."""
+    if declared is not None and (not declared.strip().isdigit() or int(declared) > DISCARD_BYTES):
+        return False
+    left = DISCARD_BYTES
+    try:
+        async with asyncio.timeout(DISCARD_S):
+            while left >= 0:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return False
+                left -= len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return left >= 0
+    except TimeoutError:
+        pass
+    return False
+
+
 async def _answer(
-    scope: Scope, receive: Receive, send: Send, status: int, message: str, kind: str | None, code: str | None
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    message: str,
+    kind: str | None,
+    code: str | None,
+    drained: bool = False,
 ) -> None:
     response = error_body(status, message, kind or "invalid_request_error", None, code)
     if status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
-    response.headers["Connection"] = "close"  # the unread body stays unread: the connection is not reused
+    if not drained:
+        response.headers["Connection"] = "close"  # the unread body stays unread: the connection is not reused
     await response(scope, receive, send)
