@@ -3,10 +3,11 @@
 A pure ASGI middleware in front of the routes. It checks the ``Authorization`` header of every route that
 needs one with the functions of ``auth`` (the same the routes call again on the full request) and answers
 401/403 before the body is parsed or buffered, so an unauthenticated client cannot make the server parse or
-hold anything: a small body (``DISCARD_BYTES`` at most, arriving within ``DISCARD_S``) is read and thrown
-away first, so the client reads the answer instead of a connection reset (a server that closes a socket
-with unread bytes in it sends RST, which can overtake the answer); a larger or slower one stays unread and
-the connection is closed. An authenticated body is capped at ``serving.max_request_bytes``: a larger
+hold anything. The body of a refused request is still read and thrown away, chunk by chunk, if it is at most
+``serving.max_request_bytes`` and arrives within ``DISCARD_S``: a server that closes a socket with unread
+bytes in it sends RST, which can overtake the answer (the client then sees "connection reset" instead of
+its 401); a larger or slower body stays unread and the connection is closed.
+An authenticated body is capped at ``serving.max_request_bytes``: a larger
 ``Content-Length`` is answered 413 up front, and a body sent without one (chunked) is counted as it streams
 and cut off with 413 once it passes the cap.
 """
@@ -30,8 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PUBLIC = frozenset({"/health", "/v1/auth/challenge"})  # the challenge: ajet_hpc/server/challenge.py
 MODEL_CALLS = frozenset({"chat/completions", "completions"})
-DISCARD_BYTES = 64 * 1024  # a refused request's body up to this size is read and dropped before the answer
-DISCARD_S = 0.5  # ... if it arrives within this time
+DISCARD_S = 2.0  # a refused request's body (up to the cap) is read and dropped if it arrives within this time
 
 
 class BodyTooLarge(HTTPException):
@@ -93,7 +93,7 @@ class RequestGate:
             check_credentials(scope["path"], headers.get(b"authorization"), ctx.secret, ctx.name)
         except AuthError as exc:
             kind = "authentication_error" if exc.status_code == 401 else "permission_error"
-            drained = await _discard_small_body(receive, headers.get(b"content-length"))
+            drained = await _discard_body(receive, headers.get(b"content-length"), limit)
             await _answer(scope, receive, send, exc.status_code, str(exc), kind, exc.code, drained)
             return
         declared = headers.get(b"content-length")
@@ -133,12 +133,12 @@ class RequestGate:
             await _answer(scope, receive, send, 413, str(exc.detail), None, "request_too_large")
 
 
-async def _discard_small_body(receive: Receive, declared: str | None) -> bool:
-    """Read and drop the body of a refused request if it is small and prompt; True when all of it was read
-    (the connection can then be reused)."""
-    if declared is not None and (not declared.strip().isdigit() or int(declared) > DISCARD_BYTES):
+async def _discard_body(receive: Receive, declared: str | None, limit: int) -> bool:
+    """Read and drop the body of a refused request if it is within the cap and prompt; True when all of it
+    was read (the connection can then be reused)."""
+    if declared is not None and (not declared.strip().isdigit() or int(declared) > limit):
         return False
-    left = DISCARD_BYTES
+    left = limit
     try:
         async with asyncio.timeout(DISCARD_S):
             while left >= 0:

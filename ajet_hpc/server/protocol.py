@@ -175,6 +175,13 @@ class CompletionRequest(_Lenient):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_unicode(cls, prompt: str | list[int]) -> str | list[int]:
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")  # the tokenizer raises TypeError on lone surrogates (a 500)
+        return prompt
+
 
 # -------------------------------------------------------------------------------------------- responses
 
