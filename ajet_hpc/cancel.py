@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ajet_hpc.launch.control import cancel_run
-from ajet_hpc.launch.slurmcli import SlurmError
+from ajet_hpc.slurm.slurmcli import SlurmError
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ajet_hpc.launch.control import status_report
-from ajet_hpc.launch.slurmcli import SlurmError
+from ajet_hpc.slurm.slurmcli import SlurmError
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py
 

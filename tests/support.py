@@ -120,7 +120,7 @@ def ranks_trained_steps(run_dir: Path, model: str = "policy") -> Counter:
 
 def jobs_ended(*job_ids: str) -> bool:
     """True once no array task of these Slurm jobs is pending, running or completing."""
-    from ajet_hpc.launch import slurmcli
+    from ajet_hpc.slurm import slurmcli
 
     return all(s.state not in slurmcli.ACTIVE_STATES for j in job_ids for s in slurmcli.job_states([j]))
 

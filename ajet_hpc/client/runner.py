@@ -52,8 +52,8 @@ from ajet_hpc.client.supervisor import EXIT_SERVER_GONE
 from ajet_hpc.client.tasks import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.config.topology import episode_repeats
-from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.slurm import environment
 from ajet_hpc.storage import task_ends
 from ajet_hpc.storage.client_store import ClientStore, CommitFailed, Result, StoreCorrupt, read_results
 from ajet_hpc.storage.h5_layout import StoreError

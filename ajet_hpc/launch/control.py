@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ajet_hpc.launch import registry, slurmcli
+from ajet_hpc.launch import registry
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows

@@ -48,10 +48,11 @@ from ajet_hpc.config import (
     validate_topology,
 )
 from ajet_hpc.config.yaml_io import parse_yaml
-from ajet_hpc.launch import control, registry, runtimes, slurmcli
+from ajet_hpc.launch import control, registry, runtimes
 from ajet_hpc.launch.backends import get_backend
 from ajet_hpc.launch.plan import build_plan
 from ajet_hpc.launch.registry import SubmittedJob
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows

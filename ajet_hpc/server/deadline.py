@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 
 log = logging.getLogger(__name__)
 

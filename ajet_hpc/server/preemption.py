@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 
 log = logging.getLogger(__name__)
 

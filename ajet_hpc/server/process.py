@@ -19,12 +19,12 @@ from ajet_hpc.config.placement import Placement, select_devices, visible_devices
 from ajet_hpc.config.topology import co_trained, mix_of, repeats_feeding, server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine
-from ajet_hpc.launch import environment
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.server.recovery import stored_summaries
+from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator

@@ -19,8 +19,8 @@ import asyncio
 import logging
 from typing import Any
 
-from ajet_hpc.launch import environment, slurmcli
 from ajet_hpc.server import preemption
+from ajet_hpc.slurm import environment, slurmcli
 
 log = logging.getLogger(__name__)
 

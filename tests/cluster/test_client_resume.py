@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support import run_module, topology_dict, wait_until, write_topology
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import ClientStore
 from ajet_hpc.storage.episode_store import EpisodeReader
 

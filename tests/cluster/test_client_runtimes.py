@@ -14,7 +14,7 @@ import pytest
 from fixtures.wheels import PROBE, probe_wheel, requirements
 from support import REPO, topology_dict, wait_until, write_topology
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import read_results
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]

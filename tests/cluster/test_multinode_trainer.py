@@ -12,7 +12,7 @@ import psutil
 import pytest
 from support import run_module, topology_dict, wait_until, write_topology
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.lease import read_lease
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support import REPO, jobs_ended, run_module, topology_dict, wait_until, write_topology
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support import REPO, run_module, wait_until
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.episode_store import EpisodeReader
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support import REPO, jobs_ended, ranks_trained_steps, recorded_steps, run_module, wait_until
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 

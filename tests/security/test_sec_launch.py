@@ -15,8 +15,9 @@ import yaml
 from support import topology_dict
 
 from ajet_hpc.config import ConfigError, load_topology
-from ajet_hpc.launch import registry, runtimes, slurmcli
+from ajet_hpc.launch import registry, runtimes
 from ajet_hpc.launch.cli import main as launch_main
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.rundir import RunDir
 
 

@@ -10,8 +10,8 @@ from datetime import datetime
 
 import pytest
 
-from ajet_hpc.launch import slurmcli
 from ajet_hpc.server import deadline, preemption
+from ajet_hpc.slurm import slurmcli
 
 
 @pytest.fixture()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ajet_hpc.launch.slurmcli import _parse_scontrol_record, _task_ids, expand_ranges
+from ajet_hpc.slurm.slurmcli import _parse_scontrol_record, _task_ids, expand_ranges
 
 
 def test_expand_ranges() -> None:

@@ -28,7 +28,7 @@ import pytest
 from support import REPO, jobs_ended, recorded_steps, topology_dict, wait_until, write_topology
 
 from ajet_hpc.client.runner import TEST_EXIT_AFTER_END
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import ClientStore
 from ajet_hpc.storage.episode_store import EpisodeReader
 

@@ -33,7 +33,7 @@ from support import (
     write_topology,
 )
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.episode_store import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]

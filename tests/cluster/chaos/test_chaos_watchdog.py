@@ -26,7 +26,7 @@ import psutil
 import pytest
 from support import jobs_ended, recorded_steps, run_module, topology_dict, wait_until, write_topology
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.episode_store import EpisodeReader

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ajet_hpc.launch import slurmcli
+from ajet_hpc.slurm import slurmcli
 
 
 @dataclass(frozen=True)
