@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.storage.rundir import RunDir
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from ajet_hpc.config import ClusterConfig, ConfigError, Topology
-from ajet_hpc.storage.atomic import write_json_atomic
+from ajet_hpc.storage.files import write_json_atomic
 from ajet_hpc.storage.rundir import RunDir
 
 Progress = Callable[[str], None]

@@ -54,6 +54,7 @@ from ajet_hpc.launch.plan import build_plan
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage.files import append_jsonl, holder_dead
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows
 
@@ -155,7 +156,7 @@ def swap_clients(
             "stopped_after_s": round(stopped_s, 1),
             "previous_topology": kept.name,
         }
-        _append_row(run.swaps_file, row)
+        append_jsonl(run.swaps_file, row, sort_keys=True)
     say(f"5. recorded in {run.swaps_file.name} and {run.jobs_file.name}; the servers kept running")
     _say_watch(run, say)
     return row
@@ -195,7 +196,7 @@ def add_clients(
             "servers_at_start": at_start,
             "previous_topology": kept.name,
         }
-        _append_row(run.swaps_file, row)
+        append_jsonl(run.swaps_file, row, sort_keys=True)
     say(f"3. recorded in {run.swaps_file.name} and {run.jobs_file.name}")
     _say_watch(run, say)
     return row
@@ -393,14 +394,7 @@ def _lock_holder(path: Path) -> dict[str, Any] | None:
         holder = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-    return holder
+    return None if holder_dead(holder.get("host"), holder.get("pid")) else holder
 
 
 # --- the swap itself ----------------------------------------------------------------------------------------
@@ -497,14 +491,6 @@ def _submit(
     tasks = f" tasks {entry.tasks[0]}..{entry.tasks[-1]}" if len(entry.tasks) > 1 else ""
     say(f"{step} submitted {job.name}: {entry.backend} job {entry.job_id}{tasks} -> {entry.log_dir}/")
     return entry
-
-
-def _append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it (a reader sees whole rows; a torn last line is skipped)."""
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def read_swaps(run: RunDir) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ajet_hpc.storage.atomic import write_bytes_atomic
+from ajet_hpc.storage.files import write_bytes_atomic
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
 

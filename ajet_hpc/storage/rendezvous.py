@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.storage.atomic import write_json_atomic
+from ajet_hpc.storage.files import write_json_atomic
 
 FORMAT = 1
 HEARTBEAT_S = 5.0

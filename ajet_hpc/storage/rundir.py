@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ajet_hpc.config import Topology, dump_topology, load_topology
-from ajet_hpc.storage.atomic import write_bytes_atomic
+from ajet_hpc.storage.files import write_bytes_atomic
 
 TOPOLOGY_FILE = "topology.yaml"
 

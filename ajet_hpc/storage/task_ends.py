@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from ajet_hpc.config import ClientGroupConfig, Topology
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.storage.rundir import RunDir
 
 EXHAUSTED, FAILED = "exhausted", "failed"

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ajet_hpc.storage.files import append_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,7 @@ class ConsumedJournal:
 
     def append(self, step: int, trained: list[str], dropped: list[str]) -> None:
         """Record a step's episodes; durable on return."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"step": step, "trained": trained, "dropped": dropped}, separators=(",", ":"))
-        with open(self.path, "ab") as f:
-            if f.tell() and not _ends_with_newline(self.path):  # a torn line from a crash: close it off
-                f.write(b"\n")
-            f.write(line.encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.path, {"step": step, "trained": trained, "dropped": dropped})
 
     def read(self) -> Consumed:
         consumed = Consumed()
@@ -69,9 +63,3 @@ class ConsumedJournal:
             consumed.trained.update(dict.fromkeys(trained, step))
             consumed.dropped.update(dict.fromkeys(dropped, step))
         return consumed
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"

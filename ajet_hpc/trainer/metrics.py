@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.storage.atomic import write_bytes_atomic
+from ajet_hpc.storage.files import append_jsonl, holder_dead, read_jsonl, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +75,7 @@ def read_events(path: Path, model: str | None = None) -> list[dict[str, Any]]:
 
 
 def _read_all(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash mid-append
-    return rows
+    return list(read_jsonl(path))  # a torn last line from a crash mid-append is skipped
 
 
 def append_row(path: Path, row: dict[str, Any]) -> None:
@@ -107,10 +98,8 @@ def append_event(path: Path, model: str, event: str, reason: str, **fields: Any)
 
 
 def _append(path: Path, row: dict[str, Any]) -> None:
-    with _locked(path), path.open("a") as handle:
-        handle.write(json.dumps(row, sort_keys=False) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    with _locked(path):
+        append_jsonl(path, row)
 
 
 def truncate_after(path: Path, model: str, step: int) -> int:
@@ -188,7 +177,7 @@ def _take_if_stale(lock: Path) -> None:
         holder = json.loads(text)
     except ValueError:
         holder = {}  # being written this instant, or garbage: only its age can tell
-    dead = holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+    dead = holder_dead(holder.get("host"), int(holder.get("pid", 0)))
     if not dead and age <= XLOCK_STALE_S:
         return
     aside = lock.with_name(f"{lock.name}.stale-{secrets.token_hex(4)}")
@@ -202,18 +191,6 @@ def _take_if_stale(lock: Path) -> None:
     else:
         log.warning("%s: taking over a lock file left by %s (%.0f s old)", lock, holder or "?", age)
     aside.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _line_count(path: Path) -> int:

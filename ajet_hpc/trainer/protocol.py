@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ajet_hpc.algo.samples import Sample
-from ajet_hpc.storage.atomic import read_json, write_bytes_atomic, write_json_atomic
+from ajet_hpc.storage.files import read_json, write_bytes_atomic, write_json_atomic
 
 KEEP_WEIGHTS = 2
 """Weight folders kept under ``weights/`` (the newest ones)."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from ajet_hpc.storage.files import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,7 @@ class SyncFailed(RuntimeError):
 
 
 def _write(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        pickle.dump(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_bytes_atomic(path, pickle.dumps(payload))
 
 
 def _read(path: Path) -> dict | None:

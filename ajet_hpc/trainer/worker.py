@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ajet_hpc.config.placement import bind_rank_gpu
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR

@@ -9,8 +9,8 @@ must run the same number of forward/backward passes (the worker pads with zero-w
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import random
 import shutil
 import time
@@ -22,6 +22,7 @@ import torch
 
 from ajet_hpc.algo.samples import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.storage.files import write_bytes_atomic
 from ajet_hpc.trainer import protocol
 from ajet_hpc.trainer.protocol import TrainerState, WorkDir
 
@@ -197,8 +198,9 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     dist.barrier()
     models.engine.save_checkpoint(str(work.ds), tag=tag, client_state={"ajet_step": step})
     rng = tag_dir / _rng_file(rank)
-    torch.save(_rng_state(), rng.with_suffix(".tmp"))
-    os.replace(rng.with_suffix(".tmp"), rng)
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    write_bytes_atomic(rng, buffer.getvalue())
     dist.barrier()
     if rank == 0:
         files = [_rng_file(r) for r in range(world_size)]
