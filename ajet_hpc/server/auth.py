@@ -17,6 +17,9 @@ The server checks a run token without state: ``s`` was minted with K and is youn
 ``RUN_TOKEN_TTL_S``, and the mac is right. A planted rendezvous file thus learns neither the secret nor a
 token: it cannot answer the challenge, and a relay to the real server fails because the proof names the
 real server's URL. A token seen on the wire (without TLS) is valid until it expires; the secret is not.
+Each process remembers the tokens it has verified (``_Verified``: keyed by secret and token, bounded, the
+expiry compared on every use), so a token used again costs a look-up instead of its HMACs; what is admitted
+is exactly what a full check admits.
 
 An **episode token** is issued by the server when an episode begins and handed to the agent as its API
 key. It authorizes only chat/completions calls for its own episode and model, until it expires. Format::
