@@ -70,7 +70,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
 
     ops: list[tuple[str, Callable[[], object]]] = [
         (
-            "auth: verify the episode token (HMAC, JSON)",
+            "auth: check the episode token (verified once, then cached)",
             lambda: authorize_episode_call(secret, header, None, MODEL),
         ),
         (
