@@ -17,6 +17,9 @@ The server checks a run token without state: ``s`` was minted with K and is youn
 ``RUN_TOKEN_TTL_S``, and the mac is right. A planted rendezvous file thus learns neither the secret nor a
 token: it cannot answer the challenge, and a relay to the real server fails because the proof names the
 real server's URL. A token seen on the wire (without TLS) is valid until it expires; the secret is not.
+Each process remembers the tokens it has verified (``_Verified``: keyed by secret and token, bounded, the
+expiry compared on every use), so a token used again costs a look-up instead of its HMACs; what is admitted
+is exactly what a full check admits.
 
 An **episode token** is issued by the server when an episode begins and handed to the agent as its API
 key. It authorizes only chat/completions calls for its own episode and model, until it expires. Format::
@@ -61,6 +64,31 @@ RUN_TOKEN_VERSION = "run1"
 RUN_TOKEN_TTL_S = 24 * 3600.0  # a client whose token expired runs the challenge again (on its 401)
 _CLIENT_NONCE = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _STAMP_BYTES, _RANDOM_BYTES, _MAC_BYTES = 8, 16, 32
+VERIFIED_CACHE_SIZE = 4096  # tokens whose signature was checked, per process (about 1 MB at most)
+
+
+class _Verified:
+    """Tokens whose signatures this process already checked, with their expiry: an agent calls with the
+    same episode token many times, a client runner with the same run token all run long, and a request is
+    checked twice (the gate, then its route). Two HMACs and a JSON parse per check were a tenth of a chat
+    call's CPU. Only tokens that passed are kept (a forged one is checked in full each time), keyed by the
+    secret and the token, so a hit means "this exact string was verified with this exact key"; the expiry
+    is compared on every use. Bounded: the oldest entry goes first (insertion order)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[tuple[str, str], tuple[float, EpisodeClaims | None]] = {}
+
+    def get(self, secret: str, token: str) -> tuple[float, EpisodeClaims | None] | None:
+        return self.entries.get((secret, token))
+
+    def put(self, secret: str, token: str, expires_at: float, claims: EpisodeClaims | None) -> None:
+        if len(self.entries) >= self.size:
+            del self.entries[next(iter(self.entries))]
+        self.entries[(secret, token)] = (expires_at, claims)
+
+
+_verified = _Verified(VERIFIED_CACHE_SIZE)
 
 
 class AuthError(Exception):
@@ -125,6 +153,20 @@ def issue_episode_token(
 
 def verify_episode_token(secret: str, token: str, now: float | None = None) -> EpisodeClaims:
     """The claims of a token this run's secret signed; ``Unauthorized`` (saying why) otherwise."""
+    known = _verified.get(secret, token)
+    if known is not None and known[1] is not None:
+        claims = known[1]
+    else:
+        claims = _verify_episode_signature(secret, token)
+        _verified.put(secret, token, claims.expires_at, claims)
+    if (time.time() if now is None else now) >= claims.expires_at:
+        raise Unauthorized(
+            f"episode token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(claims.expires_at))}"
+        )
+    return claims
+
+
+def _verify_episode_signature(secret: str, token: str) -> EpisodeClaims:
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != TOKEN_VERSION or not parts[1] or not parts[2]:
         raise Unauthorized(f"malformed episode token (expected {TOKEN_VERSION}.<payload>.<signature>)")
@@ -136,10 +178,6 @@ def verify_episode_token(secret: str, token: str, now: float | None = None) -> E
         claims = EpisodeClaims(str(payload["e"]), str(payload["m"]), float(payload["x"]))
     except (binascii.Error, ValueError, TypeError, KeyError) as exc:
         raise Unauthorized("malformed episode token payload") from exc
-    if (time.time() if now is None else now) >= claims.expires_at:
-        raise Unauthorized(
-            f"episode token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(claims.expires_at))}"
-        )
     return claims
 
 
@@ -184,6 +222,18 @@ def run_token(secret: str, client_nonce: str, server_nonce: str) -> str:
 
 def verify_run_token(secret: str, token: str, now: float | None = None) -> None:
     """Nothing when ``token`` is a run token of this run's secret, unexpired; ``Unauthorized`` otherwise."""
+    known = _verified.get(secret, token)
+    if known is not None and known[1] is None:
+        expires_at = known[0]
+    else:
+        expires_at = _verify_run_signature(secret, token)
+        _verified.put(secret, token, expires_at, None)
+    if (time.time() if now is None else now) >= expires_at:
+        raise Unauthorized("run token expired: run the challenge again (GET /v1/auth/challenge)")
+
+
+def _verify_run_signature(secret: str, token: str) -> float:
+    """When the run token expires, if this secret made it; ``Unauthorized`` otherwise."""
     parts = token.split(".")
     if len(parts) != 4 or parts[0] != RUN_TOKEN_VERSION or not _CLIENT_NONCE.fullmatch(parts[2]):
         raise Unauthorized(f"malformed run token (expected {RUN_TOKEN_VERSION}.<s>.<c>.<mac>)")
@@ -201,9 +251,7 @@ def verify_run_token(secret: str, token: str, now: float | None = None) -> None:
         or not hmac.compare_digest(expected.encode(), mac.encode())
     ):
         raise Unauthorized("run token does not match (forged, or made for another run)")
-    issued = int.from_bytes(body[:_STAMP_BYTES], "big")
-    if (time.time() if now is None else now) >= issued + RUN_TOKEN_TTL_S:
-        raise Unauthorized("run token expired: run the challenge again (GET /v1/auth/challenge)")
+    return int.from_bytes(body[:_STAMP_BYTES], "big") + RUN_TOKEN_TTL_S
 
 
 def bearer_token(header: str | None) -> str:

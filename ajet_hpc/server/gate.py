@@ -31,6 +31,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PUBLIC = frozenset({"/health", "/v1/auth/challenge"})  # the challenge: ajet_hpc/server/challenge.py
 MODEL_CALLS = frozenset({"chat/completions", "completions"})
+AUTHORIZATION = "ajet.authorization"  # scope key: the request's Authorization header value (or None)
 DISCARD_S = 2.0  # a refused request's body (up to the cap) is read and dropped if it arrives within this time
 
 
@@ -84,19 +85,24 @@ class RequestGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {}
-        for name, value in scope.get("headers", ()):
-            if name in (b"authorization", b"content-length"):
-                headers[name] = value.decode("latin-1")
+        authorization = declared = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                declared = value.decode("latin-1")
+            elif name == b"transfer-encoding":
+                chunked = True
+        scope[AUTHORIZATION] = authorization  # the routes read it here (no second parse of the headers)
         ctx, limit = self.ctx, self.ctx.settings.max_request_bytes
         try:
-            check_credentials(scope["path"], headers.get(b"authorization"), ctx.secret, ctx.name)
+            check_credentials(scope["path"], authorization, ctx.secret, ctx.name)
         except AuthError as exc:
             kind = "authentication_error" if exc.status_code == 401 else "permission_error"
-            drained = await _discard_body(receive, headers.get(b"content-length"), limit)
+            drained = await _discard_body(receive, declared, limit)
             await _answer(scope, receive, send, exc.status_code, str(exc), kind, exc.code, drained)
             return
-        declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 await _answer(scope, receive, send, 400, "malformed Content-Length header", None, None)
@@ -108,6 +114,11 @@ class RequestGate:
                 )
                 await _answer(scope, receive, send, 413, message, None, "request_too_large")
                 return
+        if not chunked:
+            # The HTTP parser hands the app at most Content-Length bytes (checked above), or none without
+            # one: nothing to count, so the request goes on without wrappers around receive and send.
+            await self.app(scope, receive, send)
+            return
         received = 0
         started = False
 

@@ -9,40 +9,56 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Header, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from ajet_hpc.server import protocol as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable
+from ajet_hpc.server.gate import AUTHORIZATION
 
 router = APIRouter()
-Auth = Header(default=None, alias="Authorization")
 
 
 def _ctx(request: Request):
     return request.app.state.ctx
 
 
+def _authorization(request: Request) -> str | None:
+    """The Authorization header as the gate read it (``gate.AUTHORIZATION``); from the headers otherwise.
+    Not a FastAPI ``Header`` parameter: solving it cost a tenth of a begin/end call."""
+    scope = request.scope
+    return scope[AUTHORIZATION] if AUTHORIZATION in scope else request.headers.get("authorization")
+
+
+def _json(model: BaseModel) -> Response:
+    """A model answered as JSON directly: FastAPI's ``jsonable_encoder`` walks every field in Python first
+    (a third of an episode begin)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 @router.get("/health")
-async def health(request: Request) -> dict[str, object]:
+async def health(request: Request) -> JSONResponse:
     ctx = _ctx(request)
-    return {
-        "status": "ok",
-        "server": ctx.name,
-        "job_id": ctx.job_id,
-        "state": ctx.state,
-        "reason": ctx.reason,
-        "step": ctx.step,
-        "policy_version": ctx.engine.policy_version,
-    }
+    return JSONResponse(
+        {
+            "status": "ok",
+            "server": ctx.name,
+            "job_id": ctx.job_id,
+            "state": ctx.state,
+            "reason": ctx.reason,
+            "step": ctx.step,
+            "policy_version": ctx.engine.policy_version,
+        }
+    )
 
 
 @router.get("/v1/status")
-async def status(request: Request, authorization: str | None = Auth) -> p.ServerStatus:
+async def status(request: Request) -> p.ServerStatus:
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
+    authorize_run_call(ctx.secret, _authorization(request))
     counts = ctx.episodes.counts
     return p.ServerStatus(
         server=ctx.name,
@@ -64,31 +80,33 @@ async def status(request: Request, authorization: str | None = Auth) -> p.Server
 
 
 @router.post("/v1/episodes")
-async def begin(request: Request, body: p.BeginEpisodeRequest, authorization: str | None = Auth):
+async def begin(request: Request, body: p.BeginEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
+    authorize_run_call(ctx.secret, _authorization(request))
     await ctx.admission.wait()  # a strictly on-policy trainer is stepping
     if ctx.training_done:
         raise Conflict(f"training of {ctx.name} is finished: no new episodes", code="training_finished")
     episode = ctx.episodes.begin(body.task_id, body.group, body.metadata, body.repeat)
     token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
     base = ctx.public_url or str(request.base_url).rstrip("/")
-    return p.BeginEpisodeResponse(
-        episode_id=episode.episode_id,
-        base_url=f"{base}/episodes/{episode.episode_id}/v1",
-        api_key=token,
-        model=ctx.name,
-        policy_version=ctx.engine.policy_version,
-        expires_at=episode.started_at + ctx.settings.token_ttl_s,
+    return _json(
+        p.BeginEpisodeResponse(
+            episode_id=episode.episode_id,
+            base_url=f"{base}/episodes/{episode.episode_id}/v1",
+            api_key=token,
+            model=ctx.name,
+            policy_version=ctx.engine.policy_version,
+            expires_at=episode.started_at + ctx.settings.token_ttl_s,
+        )
     )
 
 
 @router.get("/v1/episodes/ended")
-async def ended(request: Request, group: str, authorization: str | None = Auth) -> p.EndedEpisodes:
+async def ended(request: Request, group: str) -> p.EndedEpisodes:
     """The keys of ``group`` this server ended, with their recorded results: a resuming client commits
     them instead of running them again."""
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
+    authorize_run_call(ctx.secret, _authorization(request))
     unwritten = ctx.recorder.unwritten_ids() if ctx.recorder is not None else frozenset()
     return p.EndedEpisodes(
         group=group,
@@ -107,9 +125,9 @@ async def ended(request: Request, group: str, authorization: str | None = Auth) 
 
 
 @router.get("/v1/episodes/{episode_id}")
-async def show(request: Request, episode_id: str, timelines: bool = False, authorization: str | None = Auth):
+async def show(request: Request, episode_id: str, timelines: bool = False):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
+    authorize_run_call(ctx.secret, _authorization(request))
     episode = ctx.episodes.lookup(episode_id)
     out = episode.summary().model_dump()
     if timelines:
@@ -118,9 +136,9 @@ async def show(request: Request, episode_id: str, timelines: bool = False, autho
 
 
 @router.post("/v1/episodes/{episode_id}/end")
-async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, authorization: str | None = Auth):
+async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
+    authorize_run_call(ctx.secret, _authorization(request))
     beyond = body.beyond_limit(ctx.settings.max_abs_reward)  # before anything is recorded
     if beyond is not None:
         raise BadRequest(beyond[1], param=beyond[0], code="reward_out_of_range")
@@ -136,21 +154,19 @@ async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest, auth
             "the server's log); it keeps the episode and retries: end it again later",
             code="store_unavailable",
         )
-    return summary
+    return _json(summary)
 
 
 @router.post("/v1/episodes/{episode_id}/abort")
-async def abort(
-    request: Request, episode_id: str, body: p.AbortEpisodeRequest, authorization: str | None = Auth
-):
+async def abort(request: Request, episode_id: str, body: p.AbortEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, authorization)
-    return ctx.episodes.abort(episode_id, body.reason).summary()
+    authorize_run_call(ctx.secret, _authorization(request))
+    return _json(ctx.episodes.abort(episode_id, body.reason).summary())
 
 
-def _episode(request: Request, authorization: str | None, episode_id: str | None):
+def _episode(request: Request, episode_id: str | None):
     ctx = _ctx(request)
-    claims = authorize_episode_call(ctx.secret, authorization, episode_id, ctx.name)
+    claims = authorize_episode_call(ctx.secret, _authorization(request), episode_id, ctx.name)
     return ctx, ctx.episodes.get_open(claims.episode_id)
 
 
@@ -164,17 +180,15 @@ def _end_call(episode: Episode) -> None:
     episode.last_activity = time.monotonic()
 
 
-async def _chat(
-    request: Request, body: p.ChatCompletionRequest, authorization: str | None, episode_id: str | None
-):
-    ctx, episode = _episode(request, authorization, episode_id)
+async def _chat(request: Request, body: p.ChatCompletionRequest, episode_id: str | None):
+    ctx, episode = _episode(request, episode_id)
     _begin_call(episode)
     if not body.stream:
         try:
             answer = await ctx.service.chat(body, episode)
         finally:
             _end_call(episode)
-        return Response(answer.model_dump_json(), media_type="application/json")  # skips jsonable_encoder
+        return _json(answer)
     try:
         plan = await ctx.service.chat_plan(body, episode)  # errors before the stream starts are 4xx
     except BaseException:
@@ -192,8 +206,8 @@ async def _end_call_after(stream: AsyncIterator[str], episode: Episode) -> Async
         _end_call(episode)
 
 
-async def _completion(request: Request, body: p.CompletionRequest, authorization: str | None, episode_id):
-    ctx, episode = _episode(request, authorization, episode_id)
+async def _completion(request: Request, body: p.CompletionRequest, episode_id: str | None):
+    ctx, episode = _episode(request, episode_id)
     if body.stream:
         raise BadRequest(
             "stream is not supported on /v1/completions; use /v1/chat/completions", param="stream"
@@ -206,38 +220,32 @@ async def _completion(request: Request, body: p.CompletionRequest, authorization
 
 
 @router.post("/v1/chat/completions")
-async def chat(request: Request, body: p.ChatCompletionRequest, authorization: str | None = Auth):
-    return await _chat(request, body, authorization, None)
+async def chat(request: Request, body: p.ChatCompletionRequest):
+    return await _chat(request, body, None)
 
 
 @router.post("/episodes/{episode_id}/v1/chat/completions")
-async def episode_chat(
-    request: Request, episode_id: str, body: p.ChatCompletionRequest, authorization: str | None = Auth
-):
-    return await _chat(request, body, authorization, episode_id)
+async def episode_chat(request: Request, episode_id: str, body: p.ChatCompletionRequest):
+    return await _chat(request, body, episode_id)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, body: p.CompletionRequest, authorization: str | None = Auth):
-    return await _completion(request, body, authorization, None)
+async def completions(request: Request, body: p.CompletionRequest):
+    return await _completion(request, body, None)
 
 
 @router.post("/episodes/{episode_id}/v1/completions")
-async def episode_completions(
-    request: Request, episode_id: str, body: p.CompletionRequest, authorization: str | None = Auth
-):
-    return await _completion(request, body, authorization, episode_id)
+async def episode_completions(request: Request, episode_id: str, body: p.CompletionRequest):
+    return await _completion(request, body, episode_id)
 
 
 @router.get("/v1/models")
 @router.get("/episodes/{episode_id}/v1/models")
-async def models(
-    request: Request, episode_id: str | None = None, authorization: str | None = Auth
-) -> p.ModelList:
+async def models(request: Request, episode_id: str | None = None) -> p.ModelList:
     ctx = _ctx(request)
     try:
-        authorize_run_call(ctx.secret, authorization)
+        authorize_run_call(ctx.secret, _authorization(request))
     except AuthError:
-        authorize_episode_call(ctx.secret, authorization, episode_id, ctx.name)
+        authorize_episode_call(ctx.secret, _authorization(request), episode_id, ctx.name)
     card = p.ModelCard(id=ctx.name, created=int(ctx.started_at), policy_version=ctx.engine.policy_version)
     return p.ModelList(data=[card])

@@ -86,6 +86,8 @@ class Service:
                     param=param,
                     code="limit_exceeded",
                 )
+        if any(not stop for stop in request.stop_list()):  # the engine refuses one (a 500 if it got there)
+            raise BadRequest("stop holds an empty string; give non-empty stop strings", param="stop")
         longest = max((len(stop) for stop in request.stop_list()), default=0)
         if longest > limits.max_stop_chars:
             raise BadRequest(

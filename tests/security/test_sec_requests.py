@@ -179,6 +179,15 @@ def test_requests_above_the_work_limits_are_refused_with_400_naming_the_limit(
     assert f"({limit})" in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stop", ["", ["a", ""]])
+def test_an_empty_stop_string_is_a_400_naming_stop(server: RunningServer, stop) -> None:
+    """Found by the fuzz run: the engine refuses an empty stop string, which was a 500."""
+    token = server.begin(task_id="empty-stop")["api_key"]
+    reply = chat(server, token, messages=[{"role": "user", "content": "hi"}], stop=stop)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "stop"
+
+
 def test_health_answers_while_a_heavy_prompt_is_built(server: RunningServer) -> None:
     """An 800-message prompt is built off the event loop. Timing-free: the build is held on an event (the
     one stand-in here: a real build is too quick to observe) until /health has answered."""

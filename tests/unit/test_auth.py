@@ -9,10 +9,12 @@ import secrets
 import pytest
 
 from ajet_hpc.server.auth import (
+    RUN_TOKEN_TTL_S,
     AuthError,
     EpisodeClaims,
     Forbidden,
     Unauthorized,
+    _Verified,  # the cache of verified tokens
     authorize_episode_call,
     authorize_run_call,
     bearer_token,
@@ -22,6 +24,7 @@ from ajet_hpc.server.auth import (
     redact,
     run_token,
     verify_episode_token,
+    verify_run_token,
 )
 
 SECRET = "ab" * 32
@@ -157,3 +160,38 @@ def test_redact_hides_tokens_and_secrets() -> None:
         "call with [redacted] by key=[redacted] header='Authorization: Bearer [redacted]' id=ab12 ok"
     )
     assert redact("episode ep-7 step 3") == "episode ep-7 step 3"
+
+
+def test_verified_tokens_are_cached_but_expiry_and_key_are_checked_on_every_use() -> None:
+    """The cache of verified tokens (one HMAC check per token and process) never admits what a full check
+    refuses: an expired token, the same token under another secret, or a run token presented as an episode
+    token; a forged token is not cached (checked in full each time)."""
+    token = _token(ttl_s=60)
+    assert verify_episode_token(SECRET, token, now=NOW).episode_id == "ep-7"
+    assert verify_episode_token(SECRET, token, now=NOW + 59).episode_id == "ep-7"  # from the cache
+    with pytest.raises(Unauthorized, match="expired"):
+        verify_episode_token(SECRET, token, now=NOW + 60)
+    with pytest.raises(Unauthorized, match="signature"):
+        verify_episode_token("1" * 64, token, now=NOW)
+    run = _run_token()
+    verify_run_token(SECRET, run, now=NOW + 1)
+    verify_run_token(SECRET, run, now=NOW + 2)  # cached
+    with pytest.raises(Unauthorized, match="expired"):
+        verify_run_token(SECRET, run, now=NOW + RUN_TOKEN_TTL_S)
+    with pytest.raises(Unauthorized, match="malformed episode token"):
+        verify_episode_token(SECRET, run, now=NOW + 1)
+    with pytest.raises(Unauthorized, match="malformed run token"):
+        verify_run_token(SECRET, token, now=NOW)
+    forged = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
+    for _ in range(2):
+        with pytest.raises(Unauthorized, match="signature"):
+            verify_episode_token(SECRET, forged, now=NOW)
+
+
+def test_the_cache_of_verified_tokens_is_bounded() -> None:
+    cache = _Verified(3)
+    for index in range(5):
+        cache.put(SECRET, f"t{index}", float(index), None)
+    assert (
+        len(cache.entries) == 3 and cache.get(SECRET, "t0") is None and cache.get(SECRET, "t4") == (4.0, None)
+    )

@@ -42,7 +42,7 @@ REPO = HERE.parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from proxy import server_env  # noqa: E402  (the same environment as the proxy benchmark's servers)
+from proxy_procs import server_env  # noqa: E402  (the same environment as the proxy benchmark's servers)
 
 from ajet_hpc.client.handshake import fetch_run_token  # noqa: E402
 from ajet_hpc.storage import rendezvous  # noqa: E402

@@ -320,6 +320,9 @@ def write_store(h5: Path, n: int, checkpoint: int, rng: np.random.Generator) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="20k episodes, reads measured at 10k and 20k")
+    parser.add_argument(
+        "--smoke", action="store_true", help="200 episodes, 20 small appends, 1 group (tests)"
+    )
     parser.add_argument("--episodes", type=int, default=None, help="episodes to write (default 100k)")
     parser.add_argument(
         "--groups", type=int, default=None, help=f"groups of {GROUP} for group commit (default 32; quick 8)"
@@ -328,14 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, default=None, help="where to write (a temporary folder by default)"
     )
     args = parser.parse_args(argv)
-    n = args.episodes or (20_000 if args.quick else 100_000)
+    n = args.episodes or (200 if args.smoke else 20_000 if args.quick else 100_000)
     checkpoint = min(10_000, n)
     folder = Path(tempfile.mkdtemp(prefix="ajet-bench-store-", dir=args.dir))
     h5, jsonl = folder / "policy.h5", folder / "policy.jsonl"
     rng = np.random.default_rng(99)
     try:
-        small = small_appends(folder)
-        groups = group_commits(folder, args.groups or (8 if args.quick else 32))
+        small = small_appends(folder, 20) if args.smoke else small_appends(folder)
+        groups = group_commits(folder, args.groups or (1 if args.smoke else 8 if args.quick else 32))
         child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
         child.start()
         run = write_store(h5, n, checkpoint, rng)

@@ -1,0 +1,97 @@
+"""Every benchmark in tools/bench still runs: its quickest mode as a subprocess exits 0 and ends with a
+``RESULT`` line holding its keys as numbers.
+
+The benchmarks are scripts nobody imports, so a refactor of the package can break them silently (a renamed
+function, a changed signature) until the next full benchmark run. These runs use the tiniest sizes (the
+benchmarks' own size flags, or ``--smoke`` where those could not shrink a fixed part); the figures they
+print mean nothing and are not checked, only that each part ran and printed its keys. The runs that train,
+start vLLM or build a 151k-vocabulary model take from 20 s to minutes here and are marked slow.
+``tools/bench/zero_engine.py`` is a module, not a script: ``proxy.py --skip-vllm`` serves it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tools" / "bench"
+
+SLOW = pytest.mark.slow
+SMOKE = [
+    pytest.param(
+        "merge.py",
+        ["--merge-only", "--merge-repeats", "1"],
+        ["merge_ms_25", "merge_ms_50", "text_ms_50"],
+        id="merge",
+    ),
+    pytest.param(
+        "merge.py",
+        ["--turns", "5", "--forked", "5", "--repeats", "1", "--merge-repeats", "1"],
+        ["linear_5", "tree_5", "limit_frac_5", "tree_vs_linear_forked", "merge_ms_25"],
+        id="merge-training",
+        marks=SLOW,
+    ),
+    pytest.param(
+        "store.py",
+        ["--smoke"],
+        ["size_ratio", "write_eps", "read_ms_10k", "read_ms_100k", "write_eps_group", "fsyncs_per_episode"],
+        id="store",
+    ),
+    pytest.param(
+        "step.py",
+        ["--episodes", "8", "--turns", "2", "--repeats", "1", "--no-vocab"],
+        ["coordinator_s", "critical_s", "merge_s", "pack_s"],
+        id="step",
+    ),
+    pytest.param(
+        "output_layer.py", ["--quick"], ["vocab_speedup", "logits_mem_ratio"], id="output_layer", marks=SLOW
+    ),
+    pytest.param(
+        "proxy.py", ["--skip-vllm", "--smoke"], ["proxy_vs_vllm", "overhead_rps", "p50_added_ms"], id="proxy"
+    ),
+    pytest.param(
+        "weight_sync.py",
+        ["--syncs", "1"],
+        ["sync_memory_s", "sync_disk_s", "speedup", "pause_s"],
+        id="weight_sync",
+        marks=SLOW,
+    ),
+    pytest.param(
+        "load_agents.py",
+        ["--agents", "4", "--seconds", "3", "--turns", "1", "--engine", "transformers"],
+        ["agents", "episodes_per_s", "chat_p50_ms", "chat_p99_ms", "errors_5xx", "transport_errors"],
+        id="load_agents",
+        marks=SLOW,
+    ),
+]
+
+
+def result_line(output: str) -> dict[str, float]:
+    """The keys of the last ``RESULT`` line, as numbers (``nan`` is one: a part a flag skipped)."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert lines, "no RESULT line"
+    pairs = [item.split("=", 1) for item in lines[-1].split()[1:]]
+    return {key: float(value) for key, value in pairs}
+
+
+@pytest.mark.parametrize(("script", "args", "keys"), SMOKE)
+def test_benchmark_runs_in_its_quickest_mode(script: str, args: list[str], keys: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{script} {' '.join(args)} exited {done.returncode}:\n{output[-4000:]}"
+    found = result_line(done.stdout)
+    missing = [key for key in keys if key not in found]
+    assert not missing, f"{script}: RESULT line lacks {missing}: {found}"
