@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.samples import Sample, mask_runs
 
 TOKEN, TEXT = "token", "text"
 
@@ -132,7 +132,7 @@ class _Candidate:
 
     def __init__(self, sample: Sample) -> None:
         self.sample = sample
-        self.runs = _runs(sample.loss_mask)
+        self.runs = mask_runs(sample.loss_mask)
         self.text: str | None = None
 
 
@@ -271,29 +271,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return low
 
 
-def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The ``(start, end)`` runs of a loss mask's 1s: ``list.index`` scans in C, a Python step per run
-    rather than per token (slice comparisons would copy the list; so would a conversion to an array)."""
-    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
-    n = len(mask)
-    zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
-    if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
-        return [(zeros, n)] if zeros < n else []
-    runs: list[tuple[int, int]] = []
-    end = 0
-    while end < n:
-        try:
-            start = mask.index(1, end)
-        except ValueError:
-            break
-        try:
-            end = mask.index(0, start)
-        except ValueError:
-            end = n
-        runs.append((start, end))
-    return runs
-
-
 def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Snap | None:
     """Make the candidate's trainable tokens trainable in ``target``, whose first ``cut`` tokens hold the
     same text (the same tokens when ``exact``). None when merged exactly; a Snap when text was trusted, or
@@ -403,7 +380,7 @@ class _Trie:
     def insert(self, sample: Sample) -> None:
         ids = list(sample.token_ids)
         mask = list(sample.loss_mask)
-        runs = _runs(mask)
+        runs = mask_runs(mask)
         weights = token_weights(sample)
         n, node, p = len(ids), -1, 0
         while p < n:

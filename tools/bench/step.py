@@ -32,7 +32,8 @@ they wait for all of ``coordinator_s``.
 
 ``build`` is broken down by running its parts again on their own:
 
-- ``faults``: ``episode_fault`` per episode (its rewards, and its call samples built alone);
+- ``faults``: ``record_fault`` per episode (its calls and rewards; ``episode_fault``, which also builds
+  its call samples alone, runs only when the build fails);
 - ``samples``: ``call_samples`` per task group (per-call samples with their advantages);
 - ``merge``: ``merge_linear`` and the snap report per episode;
 - ``pack``: ``pack_tree`` (zero unless ``--merge tree``);
@@ -78,7 +79,7 @@ from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel, encode_batch  # noqa: E402
-from ajet_hpc.trainer.samples import build_samples, call_samples, episode_fault, explain_snaps  # noqa: E402
+from ajet_hpc.trainer.samples import build_samples, call_samples, explain_snaps, record_fault  # noqa: E402
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
@@ -210,12 +211,12 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
 
 
 def build_parts(groups: list[list[Episode]], config: TrainerConfig) -> dict[str, float]:
-    """``build_samples``'s parts run on their own, in its order: the per-episode checks, call samples,
+    """``build_samples``'s parts run on their own, in its order: the per-episode record checks, call samples,
     merging, packing."""
     started = time.perf_counter()
     for group in groups:
         for item in group:
-            episode_fault(item, config)
+            record_fault(item)
     faults_s = _lap(started)
     started = time.perf_counter()
     per_call = [call_samples(group, config.turn_gamma) for group in groups]
