@@ -43,7 +43,7 @@ from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, encode_batch
-from ajet_hpc.trainer.samples import build_samples
+from ajet_hpc.trainer.samples import build_samples, gc_paused
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.trackers import Trackers, step_histograms
 
@@ -371,9 +371,11 @@ class Coordinator:
         return _Prepared(step, batch, samples, merging, encoded, save, work, taken, built)
 
     def _build(self, step: int, batch: Batch, save: bool) -> tuple[list[Sample], MergeStats, bytes]:
-        """(In a worker thread.) The batch's samples, what merging did, and the batch file's bytes."""
-        samples, merging = build_samples(batch, self.config, self._decode)  # drops the episodes at fault
-        return samples, merging, encode_batch(step, samples, save) if samples else b""
+        """(In a worker thread.) The batch's samples, what merging did, and the batch file's bytes; without
+        the garbage collector's passes over every list alive (`gc_paused`)."""
+        with gc_paused():
+            samples, merging = build_samples(batch, self.config, self._decode)  # drops episodes at fault
+            return samples, merging, encode_batch(step, samples, save) if samples else b""
 
     async def _put_back_ahead(self) -> None:
         """The batch being prepared for a later step goes back to the collector, unconsumed."""

@@ -20,6 +20,7 @@ episode never stops training. A failure that belongs to a whole task group drops
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 from collections import Counter
@@ -55,6 +56,24 @@ def _blame(episodes: list[Episode], what: str) -> Iterator[None]:
         raise _Faulty(episodes, f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (back on after, if it was on).
+
+    A step's build allocates a few large lists per model call (6,400 calls and 16M call tokens at a real
+    batch): every few hundred allocations start a collection, and the older generations' collections walk
+    every list alive, token by token. That tripled the build's time (0.30 -> 0.84 s for the per-call
+    samples of 256 episodes). Nothing in the build makes reference cycles; what is garbage is collected
+    by reference counting, and any cycle by the next collection after the block."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def build_samples(
     batch: Batch, config: TrainerConfig, decode: Callable[[list[int]], str] | None = None
 ) -> tuple[list[Sample], MergeStats]:
@@ -69,6 +88,13 @@ def build_samples(
     group too (the same per-episode code, only the advantages' values differ), so a build without failure
     means no episode had such a fault. The first failure starts over along the checked path, which gives
     the same drops, in the same order."""
+    with gc_paused():
+        return _build_samples(batch, config, decode)
+
+
+def _build_samples(
+    batch: Batch, config: TrainerConfig, decode: Callable[[list[int]], str] | None
+) -> tuple[list[Sample], MergeStats]:
     faults = {id(e): reason for e in batch.episodes if (reason := record_fault(e)) is not None}
     groups = [kept for g in batch.groups if (kept := [e for e in g if id(e) not in faults])]
     with contextlib.suppress(Exception):

@@ -18,7 +18,8 @@ the same order, on the same objects:
 - ``collect``: ``BatchCollector.add`` for every episode, then ``try_batch`` (the batch of 32 task groups);
 - ``build``: ``build_samples`` (credit and advantages, loss weights, merging as configured, packing);
 - ``encode``: ``encode_batch`` (the batch file's bytes; with overlap the coordinator makes them while the
-  previous step trains);
+  previous step trains). Build and encode run with the garbage collector paused, as in the coordinator
+  (``trainer.samples.gc_paused``);
 - ``handover``: ``ConsumedJournal.append`` (the consumed journal line, fsynced) and
   ``TrainerChannel.submit`` with those bytes (the batch file, written by rename): what stays on the
   critical path when the batch was prepared ahead;
@@ -79,7 +80,13 @@ from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel, encode_batch  # noqa: E402
-from ajet_hpc.trainer.samples import build_samples, call_samples, explain_snaps, record_fault  # noqa: E402
+from ajet_hpc.trainer.samples import (  # noqa: E402
+    build_samples,
+    call_samples,
+    explain_snaps,
+    gc_paused,
+    record_fault,
+)
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
@@ -182,15 +189,16 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
         raise RuntimeError(f"the collector made no batch of all {len(episodes)} episodes")
     times["collect"] = _lap(started)
 
-    started = time.perf_counter()
-    samples, merging = build_samples(batch, config)
-    times["build"] = _lap(started)
-    if batch.invalid:
-        raise RuntimeError(f"episodes dropped from the batch: {batch.invalid}")
+    with gc_paused():  # as the coordinator builds and encodes (`Coordinator._build`)
+        started = time.perf_counter()
+        samples, merging = build_samples(batch, config)
+        times["build"] = _lap(started)
+        if batch.invalid:
+            raise RuntimeError(f"episodes dropped from the batch: {batch.invalid}")
 
-    started = time.perf_counter()
-    encoded = encode_batch(step, samples, save_checkpoint=False)
-    times["encode"] = _lap(started)
+        started = time.perf_counter()
+        encoded = encode_batch(step, samples, save_checkpoint=False)
+        times["encode"] = _lap(started)
 
     started = time.perf_counter()
     ConsumedJournal(work / "ckpt" / "consumed.jsonl").append(step, [e.episode_id for e in batch.episodes], [])
@@ -205,7 +213,8 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
     times["row"] = _lap(started)
     encode_step(StepRecord(step=step, metrics=row, samples=samples))
     times["record"] = _lap(started)
-    times.update(build_parts(batch.groups, config))
+    with gc_paused():
+        times.update(build_parts(batch.groups, config))
     times["rest"] = times["build"] - sum(times[p] for p in ("faults", "samples", "merge", "pack"))
     return times
 
