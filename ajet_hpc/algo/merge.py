@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ajet_hpc.algo.detokenize import TokenText
 from ajet_hpc.algo.samples import Sample, mask_runs
 
 TOKEN, TEXT = "token", "text"
@@ -77,6 +78,7 @@ class _Merged:
         self.policy_version = sample.policy_version
         self.calls = list(sample.calls)
         self.text: str | None = None
+        self.text_ids: list[int] | None = None  # the ids `text` is (or would be) the decode of
         self.owned = False
         if not all(
             isinstance(x, list) for x in (self.token_ids, self.loss_mask, self.old_logprobs, self.advantages)
@@ -181,42 +183,118 @@ def _prefix_end(
     candidate: _Candidate, target: _Merged, level: str, decode: Callable[[list[int]], str] | None
 ) -> tuple[int | None, bool]:
     """Where the candidate ends inside ``target`` if it is a prefix of it (by tokens, or by text), else
-    None; and whether it is a token prefix (exact)."""
+    None; and whether it is a token prefix (exact).
+
+    The target's text is that of its ids when text was first compared (``text_ids``): a text-level merge
+    replaces the target's first tokens by the candidate's, and the comparisons that follow read the text
+    as it was. With a `TokenText` that knows where its decode splits (``joins``), only the tokens from
+    (about) where the two calls part are decoded: both texts are the shared prefix's text followed by the
+    decode of the rest (`_split`), so the comparison is between the rests (`_starts_with`)."""
     ids = candidate.sample.token_ids
     n = len(ids)
     if n <= len(target.token_ids) and target.token_ids[:n] == ids:
         return n, True
     if level != TEXT or decode is None:
         return None, False
-    if candidate.text is None:
-        candidate.text = decode(list(ids))
-    if target.text is None:
-        target.text = decode(target.token_ids)
-    if not target.text.startswith(candidate.text):
-        return None, False
-    return _text_cut(ids, candidate.text, target.token_ids, decode), False
+    if target.text_ids is None:
+        target.text_ids = target.token_ids
+    joins = _joins_of(decode)
+    if joins is None:
+        if candidate.text is None:
+            candidate.text = decode(list(ids))
+        if target.text is None:
+            target.text = decode(target.text_ids)
+        if not target.text.startswith(candidate.text):
+            return None, False
+    else:
+        ids = list(ids)
+        base = target.text_ids
+        split = _split(ids, base, common_prefix(ids, base), joins)
+        if not _starts_with(base, ids, split, decode, joins):
+            return None, False
+    return _text_cut(candidate, target.token_ids, decode, joins), False
+
+
+def _joins_of(decode: Callable[[list[int]], str]) -> Callable[[int], bool] | None:
+    """``decode.joins_before`` when ``decode`` is a `TokenText` that knows where it splits, else None."""
+    return decode.joins_before if isinstance(decode, TokenText) and decode.joins is not None else None
+
+
+def _split(a: list[int], b: list[int], d: int, joins: Callable[[int], bool]) -> int:
+    """The largest s <= d (``a[:d] == b[:d]``) where both decodes split: ``decode(x) == decode(x[:s]) +
+    decode(x[s:])`` for x = a and b (each s < len(x) with ``joins(x[s])``; s = len(x) and s = 0 always).
+    Below d the two share the token; a byte-level text rarely steps back more than one or two tokens."""
+    s = d
+    if (s == len(a) or joins(a[s])) and (s == len(b) or joins(b[s])):
+        return s
+    s -= 1
+    while s > 0 and not joins(a[s]):
+        s -= 1
+    return max(s, 0)
+
+
+def _starts_with(
+    base: list[int], ids: list[int], start: int, decode: Callable[[list[int]], str], joins
+) -> bool:
+    """Whether ``decode(base[start:])`` starts with ``decode(ids[start:])``, where both decodes split at
+    ``start``. Both are decoded in pieces (32 tokens and on to where the decode splits, twice as many each
+    time; each piece's text follows the one before it, since it starts where the decode splits), the
+    shorter text extended first, until they differ or the ids' text is passed: two calls that part early
+    (a fork, a summarised context) cost a few dozen tokens, not their lengths."""
+    texts, ends, widths = ["", ""], [start, start], [32, 32]
+    sources = (ids, base)
+    checked = 0
+    while True:
+        ids_done = ends[0] >= len(ids)
+        if ids_done and len(texts[1]) >= len(texts[0]):
+            return True
+        side = 0 if not ids_done and len(texts[0]) <= len(texts[1]) else 1
+        source, end = sources[side], ends[side]
+        if end >= len(source):
+            return False  # the base's whole text is shorter
+        stop = min(end + widths[side], len(source))
+        while stop < len(source) and not joins(source[stop]):
+            stop += 1
+        texts[side] += decode(source[end:stop])
+        ends[side], widths[side] = stop, widths[side] * 2
+        common = min(len(texts[0]), len(texts[1]))
+        if texts[0][checked:common] != texts[1][checked:common]:
+            return False
+        checked = common
 
 
 def _text_cut(
-    ids: Sequence[int], text: str, target: list[int], decode: Callable[[list[int]], str]
+    candidate: _Candidate, target: list[int], decode: Callable[[list[int]], str], joins
 ) -> int | None:
-    """The first k whose decoded prefix ``decode(target[:k])`` is exactly ``text`` (the decoded ``ids``, a
-    prefix of the target's text), else None: the text ends inside a token of the target.
+    """The first k whose decoded prefix ``decode(target[:k])`` is exactly the candidate's text (a prefix of
+    the target's text), else None: the text ends inside a token of the target.
 
-    Linear, not one decode per prefix: ``ids`` and ``target`` share their first d tokens, and the cut lies
-    where the target's tokens after d spell what ``ids`` spells after d. Only those few tokens are decoded
-    to find the candidate (widening steps, then bisection), and one decode of ``target[:k]`` confirms it;
-    the confirmation is what makes the cut exact (a decode need not be the concatenation of its parts:
-    byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails, the
-    cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and confirmed,
-    stepping over the tokens of a character split into bytes (its partial prefixes decode to as many
-    characters, a replacement character last): a cut never ends inside a character.
+    Linear, not one decode per prefix: the candidate's ids and ``target`` share their first d tokens, and the
+    cut lies where the target's tokens after d spell what the ids spell after d. Only those few tokens are
+    decoded to find the candidate (widening steps, then bisection), and one decode of ``target[:k]``
+    confirms it (with ``joins``: of ``target[s:k]`` against the ids from s, where both decodes split,
+    `_split`); the confirmation is what makes the cut exact (a decode need not be the concatenation of its
+    parts: byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails,
+    the cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and
+    confirmed, stepping over the tokens of a character split into bytes (its partial prefixes decode to as
+    many characters, a replacement character last): a cut never ends inside a character.
     """
-    ids = list(ids)
+    ids = list(candidate.sample.token_ids)
     d = common_prefix(ids, target)
     tail = decode(ids[d:])
     need = len(tail)
     if need > 0 and d < len(target):
+        if joins is not None:
+            split = _split(ids, target, d, joins)
+            rest = decode(ids[split:])
+
+            def confirmed(end: int) -> bool:  # decode(target[:end]) == text, from where both split
+                return decode(target[split:end]) == rest
+
+        else:
+
+            def confirmed(end: int) -> bool:
+                return decode(target[:end]) == _text_of(candidate, decode)
 
         def width(k: int) -> int:  # characters spelled by target[d:k]
             return len(decode(target[d:k]))
@@ -229,10 +307,11 @@ def _text_cut(
         k = low + 1 + bisect.bisect_left(_Lengths(width, low + 1, high + 1), need)
         for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
             window = decode(target[d:end])
-            if window == tail and decode(target[:end]) == text:
+            if window == tail and confirmed(end):
                 return end
             if len(window) != need:
                 break
+    text = _text_of(candidate, decode)
     k = 1 + bisect.bisect_left(_Lengths(lambda k: len(decode(target[:k])), 1, len(target) + 1), len(text))
     for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
         prefix = decode(target[:end])
@@ -241,6 +320,12 @@ def _text_cut(
         if len(prefix) != len(text):  # past it, or a character that the text ends inside of
             break
     return None
+
+
+def _text_of(candidate: _Candidate, decode: Callable[[list[int]], str]) -> str:
+    if candidate.text is None:
+        candidate.text = decode(list(candidate.sample.token_ids))
+    return candidate.text
 
 
 class _Lengths:

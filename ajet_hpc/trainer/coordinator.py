@@ -17,6 +17,7 @@ prepared but never sent goes back to the collector, or, at a crash, stays uncons
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import statistics
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ajet_hpc.algo.detokenize import TokenText
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.algo.samples import Sample
 from ajet_hpc.config import ServerConfig, TrainerConfig
@@ -481,10 +483,11 @@ class Coordinator:
         channel.request_stop()
         return self.step
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.ctx.engine.tokenizer.decode(
-            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+    @functools.cached_property
+    def _decode(self) -> TokenText:
+        """The engine tokenizer's decode (special tokens kept, no cleanup) for text-level merging, with
+        where it splits (``algo/detokenize.py``): built once, 0.8 s for Qwen's vocabulary."""
+        return TokenText(self.ctx.engine.tokenizer)
 
     def _record(self, prepared: _Prepared, result: dict, step_s: float, sync_s: float) -> None:
         if self.step <= self._recorded_step:  # save_on_signal recorded it during the step's last awaits
