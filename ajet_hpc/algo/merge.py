@@ -206,13 +206,19 @@ def _prefix_end(
             target.text = decode(target.text_ids)
         if not target.text.startswith(candidate.text):
             return None, False
-    else:
-        ids = list(ids)
-        base = target.text_ids
-        split = _split(ids, base, common_prefix(ids, base), joins)
-        if not _starts_with(base, ids, split, decode, joins):
-            return None, False
+    elif not text_is_prefix(list(ids), target.text_ids, decode):
+        return None, False
     return _text_cut(candidate, target.token_ids, decode, joins), False
+
+
+def text_is_prefix(ids: list[int], base: list[int], decode: Callable[[list[int]], str]) -> bool:
+    """``decode(base).startswith(decode(ids))``; with a `TokenText` that knows where its decode splits,
+    by decoding only from (about) where the two part (`_split`, `_starts_with`)."""
+    joins = _joins_of(decode)
+    if joins is None:
+        return decode(base).startswith(decode(ids))
+    split = _split(ids, base, common_prefix(ids, base), joins)
+    return _starts_with(base, ids, split, decode, joins)
 
 
 def _joins_of(decode: Callable[[list[int]], str]) -> Callable[[int], bool] | None:

@@ -324,7 +324,7 @@ def _tools_key(tools: list[dict] | None) -> tuple:
 def _text_prefix(earlier: Timeline, later: Timeline, decode: Callable[[list[int]], str] | None) -> bool:
     """Whether the later prompt's text starts with the earlier call's text (then only tokenization parted
     them). Unknown without ``decode``: False."""
-    return decode is not None and decode(later.prompt_ids).startswith(decode(earlier.token_ids))
+    return decode is not None and merge.text_is_prefix(earlier.token_ids, later.prompt_ids, decode)
 
 
 def _episode_returns(episode: Episode, gamma: float) -> list[float]:

@@ -571,15 +571,22 @@ def test_text_merging_through_token_text_equals_the_reference(tokenizer) -> None
         return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     seen: dict[str, int] = {}
+    prefixes = 0
     for seed in range(80):
         writer = (ByteWriter if seed % 2 else Writer)(tokenizer, random.Random(seed))
         calls = writer.episode(f"ep{seed}")
         got = merge.merge_linear(calls, level=merge.TEXT, decode=token_text)
         assert got == ref_merge_linear(calls, level=merge.TEXT, decode=decode), f"seed {seed}"
         assert got == merge.merge_linear(calls, level=merge.TEXT, decode=decode), f"seed {seed}"
+        texts = [decode(c.token_ids) for c in calls]
+        for a, text in zip(calls, texts, strict=True):  # explain_snaps' test: a call's text starts another's
+            for b, other in zip(calls, texts, strict=True):
+                want = other.startswith(text)
+                assert merge.text_is_prefix(a.token_ids, b.token_ids, token_text) == want, f"seed {seed}"
+                prefixes += want
         for snap in got[1]:
             seen[snap.reason] = seen.get(snap.reason, 0) + 1
-    assert seen.get("text_trusted", 0) > 0, seen
+    assert seen.get("text_trusted", 0) > 0 and prefixes > 1000, (seen, prefixes)
 
 
 def test_text_merging_through_token_text_where_spellings_part_inside_characters() -> None:
