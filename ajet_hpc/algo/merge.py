@@ -145,12 +145,14 @@ def merge_linear(
 
     ``samples`` are the calls of one episode as plain (not tree) samples. Returns the merged samples,
     longest first, and the snaps met (``text_trusted`` merges; ``duplicate`` positions). With
-    ``level="text"``, ``decode`` turns token ids into text (e.g. ``tokenizer.decode`` without cleanup).
+    ``level="text"``, ``decode`` turns token ids into text (``TokenText(tokenizer)``, or any function such
+    as ``tokenizer.decode`` without cleanup).
 
     Cost: token level, linear in the tokens compared (list comparisons and slice copies, which run in C;
-    a Python step per trained run, not per token). Text level adds one decode of each sample whose tokens
-    are not a prefix of a target, and for each text cut one decode of the target's prefix to confirm it
-    (see ``_text_cut``).
+    a Python step per trained run, not per token). Text level with a plain ``decode`` adds one decode of
+    each sample whose tokens are not a prefix of a target, and for each text cut one decode of the target's
+    prefix to confirm it (see ``_text_cut``); with a `TokenText` (``algo/detokenize.py``, what the trainer
+    passes) only the tokens from about where the two part, in pieces, until the texts differ.
     """
     if level not in (TOKEN, TEXT):
         raise ValueError(f"merge level must be {TOKEN!r} or {TEXT!r}, got {level!r}")
