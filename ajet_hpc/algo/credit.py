@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ajet_hpc.algo.grpo import normalise_in_groups
+from ajet_hpc.algo.samples import is_binary, mask_runs
 
 
 def turn_returns(turn_rewards: Sequence[float], final_reward: float, gamma: float) -> list[float]:
@@ -74,5 +75,18 @@ def episode_token_advantages(
     for i, ((e, t), mask) in enumerate(zip(sample_turns, loss_masks, strict=True)):
         if not (0 <= e < len(returns) and 0 <= t < len(returns[e])):
             raise ValueError(f"sample {i} points to episode {e} turn {t}, which the returns do not have")
-        out.append([advantages[e][t] if m else 0.0 for m in mask])
+        out.append(masked_row(advantages[e][t], mask))
     return out
+
+
+def masked_row(value: float, mask: Sequence[int]) -> list[float]:
+    """``[value if m else 0.0 for m in mask]``, built from the mask's runs of 1s as slices (a call's mask is
+    its whole prompt, 0s, then its answer: a per-token Python loop over it cost seconds per step at real
+    batch sizes). A mask with other values than 0 and 1 takes the loop."""
+    mask = mask if isinstance(mask, list) else list(mask)
+    if not is_binary(mask):
+        return [value if m else 0.0 for m in mask]
+    row = [0.0] * len(mask)
+    for start, end in mask_runs(mask):
+        row[start:end] = [value] * (end - start)
+    return row

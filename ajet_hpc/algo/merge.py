@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.detokenize import TokenText
+from ajet_hpc.algo.samples import Sample, mask_runs
 
 TOKEN, TEXT = "token", "text"
 
@@ -77,6 +78,7 @@ class _Merged:
         self.policy_version = sample.policy_version
         self.calls = list(sample.calls)
         self.text: str | None = None
+        self.text_ids: list[int] | None = None  # the ids `text` is (or would be) the decode of
         self.owned = False
         if not all(
             isinstance(x, list) for x in (self.token_ids, self.loss_mask, self.old_logprobs, self.advantages)
@@ -132,7 +134,7 @@ class _Candidate:
 
     def __init__(self, sample: Sample) -> None:
         self.sample = sample
-        self.runs = _runs(sample.loss_mask)
+        self.runs = mask_runs(sample.loss_mask)
         self.text: str | None = None
 
 
@@ -143,12 +145,14 @@ def merge_linear(
 
     ``samples`` are the calls of one episode as plain (not tree) samples. Returns the merged samples,
     longest first, and the snaps met (``text_trusted`` merges; ``duplicate`` positions). With
-    ``level="text"``, ``decode`` turns token ids into text (e.g. ``tokenizer.decode`` without cleanup).
+    ``level="text"``, ``decode`` turns token ids into text (``TokenText(tokenizer)``, or any function such
+    as ``tokenizer.decode`` without cleanup).
 
     Cost: token level, linear in the tokens compared (list comparisons and slice copies, which run in C;
-    a Python step per trained run, not per token). Text level adds one decode of each sample whose tokens
-    are not a prefix of a target, and for each text cut one decode of the target's prefix to confirm it
-    (see ``_text_cut``).
+    a Python step per trained run, not per token). Text level with a plain ``decode`` adds one decode of
+    each sample whose tokens are not a prefix of a target, and for each text cut one decode of the target's
+    prefix to confirm it (see ``_text_cut``); with a `TokenText` (``algo/detokenize.py``, what the trainer
+    passes) only the tokens from about where the two part, in pieces, until the texts differ.
     """
     if level not in (TOKEN, TEXT):
         raise ValueError(f"merge level must be {TOKEN!r} or {TEXT!r}, got {level!r}")
@@ -181,42 +185,124 @@ def _prefix_end(
     candidate: _Candidate, target: _Merged, level: str, decode: Callable[[list[int]], str] | None
 ) -> tuple[int | None, bool]:
     """Where the candidate ends inside ``target`` if it is a prefix of it (by tokens, or by text), else
-    None; and whether it is a token prefix (exact)."""
+    None; and whether it is a token prefix (exact).
+
+    The target's text is that of its ids when text was first compared (``text_ids``): a text-level merge
+    replaces the target's first tokens by the candidate's, and the comparisons that follow read the text
+    as it was. With a `TokenText` that knows where its decode splits (``joins``), only the tokens from
+    (about) where the two calls part are decoded: both texts are the shared prefix's text followed by the
+    decode of the rest (`_split`), so the comparison is between the rests (`_starts_with`)."""
     ids = candidate.sample.token_ids
     n = len(ids)
     if n <= len(target.token_ids) and target.token_ids[:n] == ids:
         return n, True
     if level != TEXT or decode is None:
         return None, False
-    if candidate.text is None:
-        candidate.text = decode(list(ids))
-    if target.text is None:
-        target.text = decode(target.token_ids)
-    if not target.text.startswith(candidate.text):
+    if target.text_ids is None:
+        target.text_ids = target.token_ids
+    joins = _joins_of(decode)
+    if joins is None:
+        if candidate.text is None:
+            candidate.text = decode(list(ids))
+        if target.text is None:
+            target.text = decode(target.text_ids)
+        if not target.text.startswith(candidate.text):
+            return None, False
+    elif not text_is_prefix(list(ids), target.text_ids, decode):
         return None, False
-    return _text_cut(ids, candidate.text, target.token_ids, decode), False
+    return _text_cut(candidate, target.token_ids, decode, joins), False
+
+
+def text_is_prefix(ids: list[int], base: list[int], decode: Callable[[list[int]], str]) -> bool:
+    """``decode(base).startswith(decode(ids))``; with a `TokenText` that knows where its decode splits,
+    by decoding only from (about) where the two part (`_split`, `_starts_with`)."""
+    joins = _joins_of(decode)
+    if joins is None:
+        return decode(base).startswith(decode(ids))
+    split = _split(ids, base, common_prefix(ids, base), joins)
+    return _starts_with(base, ids, split, decode, joins)
+
+
+def _joins_of(decode: Callable[[list[int]], str]) -> Callable[[int], bool] | None:
+    """``decode.joins_before`` when ``decode`` is a `TokenText` that knows where it splits, else None."""
+    return decode.joins_before if isinstance(decode, TokenText) and decode.joins is not None else None
+
+
+def _split(a: list[int], b: list[int], d: int, joins: Callable[[int], bool]) -> int:
+    """The largest s <= d (``a[:d] == b[:d]``) where both decodes split: ``decode(x) == decode(x[:s]) +
+    decode(x[s:])`` for x = a and b (each s < len(x) with ``joins(x[s])``; s = len(x) and s = 0 always).
+    Below d the two share the token; a byte-level text rarely steps back more than one or two tokens."""
+    s = d
+    if (s == len(a) or joins(a[s])) and (s == len(b) or joins(b[s])):
+        return s
+    s -= 1
+    while s > 0 and not joins(a[s]):
+        s -= 1
+    return max(s, 0)
+
+
+def _starts_with(
+    base: list[int], ids: list[int], start: int, decode: Callable[[list[int]], str], joins
+) -> bool:
+    """Whether ``decode(base[start:])`` starts with ``decode(ids[start:])``, where both decodes split at
+    ``start``. Both are decoded in pieces (32 tokens and on to where the decode splits, twice as many each
+    time; each piece's text follows the one before it, since it starts where the decode splits), the
+    shorter text extended first, until they differ or the ids' text is passed: two calls that part early
+    (a fork, a summarised context) cost a few dozen tokens, not their lengths."""
+    texts, ends, widths = ["", ""], [start, start], [32, 32]
+    sources = (ids, base)
+    checked = 0
+    while True:
+        ids_done = ends[0] >= len(ids)
+        if ids_done and len(texts[1]) >= len(texts[0]):
+            return True
+        side = 0 if not ids_done and len(texts[0]) <= len(texts[1]) else 1
+        source, end = sources[side], ends[side]
+        if end >= len(source):
+            return False  # the base's whole text is shorter
+        stop = min(end + widths[side], len(source))
+        while stop < len(source) and not joins(source[stop]):
+            stop += 1
+        texts[side] += decode(source[end:stop])
+        ends[side], widths[side] = stop, widths[side] * 2
+        common = min(len(texts[0]), len(texts[1]))
+        if texts[0][checked:common] != texts[1][checked:common]:
+            return False
+        checked = common
 
 
 def _text_cut(
-    ids: Sequence[int], text: str, target: list[int], decode: Callable[[list[int]], str]
+    candidate: _Candidate, target: list[int], decode: Callable[[list[int]], str], joins
 ) -> int | None:
-    """The first k whose decoded prefix ``decode(target[:k])`` is exactly ``text`` (the decoded ``ids``, a
-    prefix of the target's text), else None: the text ends inside a token of the target.
+    """The first k whose decoded prefix ``decode(target[:k])`` is exactly the candidate's text (a prefix of
+    the target's text), else None: the text ends inside a token of the target.
 
-    Linear, not one decode per prefix: ``ids`` and ``target`` share their first d tokens, and the cut lies
-    where the target's tokens after d spell what ``ids`` spells after d. Only those few tokens are decoded
-    to find the candidate (widening steps, then bisection), and one decode of ``target[:k]`` confirms it;
-    the confirmation is what makes the cut exact (a decode need not be the concatenation of its parts:
-    byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails, the
-    cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and confirmed,
-    stepping over the tokens of a character split into bytes (its partial prefixes decode to as many
-    characters, a replacement character last): a cut never ends inside a character.
+    Linear, not one decode per prefix: the candidate's ids and ``target`` share their first d tokens, and the
+    cut lies where the target's tokens after d spell what the ids spell after d. Only those few tokens are
+    decoded to find the candidate (widening steps, then bisection), and one decode of ``target[:k]``
+    confirms it (with ``joins``: of ``target[s:k]`` against the ids from s, where both decodes split,
+    `_split`); the confirmation is what makes the cut exact (a decode need not be the concatenation of its
+    parts: byte-level tokens that hold part of a UTF-8 character, a SentencePiece space). Where it fails,
+    the cut is searched by bisection over decoded prefix lengths (``log2 len(target)`` decodes) and
+    confirmed, stepping over the tokens of a character split into bytes (its partial prefixes decode to as
+    many characters, a replacement character last): a cut never ends inside a character.
     """
-    ids = list(ids)
+    ids = list(candidate.sample.token_ids)
     d = common_prefix(ids, target)
     tail = decode(ids[d:])
     need = len(tail)
     if need > 0 and d < len(target):
+        if joins is not None:
+            split = _split(ids, target, d, joins)
+            rest = decode(ids[split:])
+
+            def confirmed(end: int) -> bool:  # decode(target[:end]) == text, from where both split
+                return decode(target[split:end]) == rest
+
+        else:
+
+            def confirmed(end: int) -> bool:
+                return decode(target[:end]) == _text_of(candidate, decode)
 
         def width(k: int) -> int:  # characters spelled by target[d:k]
             return len(decode(target[d:k]))
@@ -229,10 +315,11 @@ def _text_cut(
         k = low + 1 + bisect.bisect_left(_Lengths(width, low + 1, high + 1), need)
         for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
             window = decode(target[d:end])
-            if window == tail and decode(target[:end]) == text:
+            if window == tail and confirmed(end):
                 return end
             if len(window) != need:
                 break
+    text = _text_of(candidate, decode)
     k = 1 + bisect.bisect_left(_Lengths(lambda k: len(decode(target[:k])), 1, len(target) + 1), len(text))
     for end in range(k, min(k + 4, len(target) + 1)):  # up to 4 byte-level tokens spell one character
         prefix = decode(target[:end])
@@ -241,6 +328,12 @@ def _text_cut(
         if len(prefix) != len(text):  # past it, or a character that the text ends inside of
             break
     return None
+
+
+def _text_of(candidate: _Candidate, decode: Callable[[list[int]], str]) -> str:
+    if candidate.text is None:
+        candidate.text = decode(list(candidate.sample.token_ids))
+    return candidate.text
 
 
 class _Lengths:
@@ -269,29 +362,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         else:
             high = mid
     return low
-
-
-def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The ``(start, end)`` runs of a loss mask's 1s: ``list.index`` scans in C, a Python step per run
-    rather than per token (slice comparisons would copy the list; so would a conversion to an array)."""
-    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
-    n = len(mask)
-    zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
-    if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
-        return [(zeros, n)] if zeros < n else []
-    runs: list[tuple[int, int]] = []
-    end = 0
-    while end < n:
-        try:
-            start = mask.index(1, end)
-        except ValueError:
-            break
-        try:
-            end = mask.index(0, start)
-        except ValueError:
-            end = n
-        runs.append((start, end))
-    return runs
 
 
 def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Snap | None:
@@ -403,7 +473,7 @@ class _Trie:
     def insert(self, sample: Sample) -> None:
         ids = list(sample.token_ids)
         mask = list(sample.loss_mask)
-        runs = _runs(mask)
+        runs = mask_runs(mask)
         weights = token_weights(sample)
         n, node, p = len(ids), -1, 0
         while p < n:

@@ -526,3 +526,124 @@ def test_snap_explanations_equal_the_reference_on_random_conversations() -> None
         assert got == ref_explain_snaps("e", timelines, merged, decode)
         total += len(got)
     assert total > 100  # the conversations do leave calls unmerged
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Text level through `TokenText` (the trainer's decode: the backend, and only the tokens past where two calls
+# part) against the reference with the tokenizer's own decode
+# ---------------------------------------------------------------------------------------------------------
+
+UNICODE_WORDS = "café naïve 🙂 日本語 ключ ∑x 👍🏽 é".split()  # noqa: SIM905
+
+
+class ByteWriter(Writer):
+    """`Writer` with words outside ASCII, respelled now and then as raw byte tokens (byte-level
+    vocabularies): a character split over several tokens, a call that ends inside a character."""
+
+    def __init__(self, tokenizer, rng: random.Random) -> None:
+        super().__init__(tokenizer, rng)
+        byte_token = byte_characters()
+        vocab = tokenizer.get_vocab()
+        self.byte_ids = {b: vocab.get(byte_token[b]) for b in range(256)}
+
+    def words(self, low: int, high: int) -> list[int]:
+        pool = WORDS + UNICODE_WORDS
+        return self.encode(" ".join(self.rng.choice(pool) for _ in range(self.rng.randint(low, high))))
+
+    def respell(self, ids: list[int]) -> list[int]:
+        if self.rng.random() < 0.5 or None in self.byte_ids.values():
+            return super().respell(ids)
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        data = text.encode()
+        cut = self.rng.randrange(len(data))
+        if self.rng.random() < 0.5:
+            return [*self.encode(data[:cut].decode(errors="ignore")), *(self.byte_ids[b] for b in data[cut:])]
+        return [self.byte_ids[b] for b in data[:cut]] + self.encode(data[cut:].decode(errors="ignore"))
+
+
+def test_text_merging_through_token_text_equals_the_reference(tokenizer) -> None:
+    from ajet_hpc.algo.detokenize import TokenText
+
+    token_text = TokenText(tokenizer)
+    assert token_text.joins is not None  # both built-in tokenizers: the local comparison is what runs
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    seen: dict[str, int] = {}
+    prefixes = 0
+    for seed in range(80):
+        writer = (ByteWriter if seed % 2 else Writer)(tokenizer, random.Random(seed))
+        calls = writer.episode(f"ep{seed}")
+        got = merge.merge_linear(calls, level=merge.TEXT, decode=token_text)
+        assert got == ref_merge_linear(calls, level=merge.TEXT, decode=decode), f"seed {seed}"
+        assert got == merge.merge_linear(calls, level=merge.TEXT, decode=decode), f"seed {seed}"
+        texts = [decode(c.token_ids) for c in calls]
+        for a, text in zip(calls, texts, strict=True):  # explain_snaps' test: a call's text starts another's
+            for b, other in zip(calls, texts, strict=True):
+                want = other.startswith(text)
+                assert merge.text_is_prefix(a.token_ids, b.token_ids, token_text) == want, f"seed {seed}"
+                prefixes += want
+        for snap in got[1]:
+            seen[snap.reason] = seen.get(snap.reason, 0) + 1
+    assert seen.get("text_trusted", 0) > 0 and prefixes > 1000, (seen, prefixes)
+
+
+def test_text_merging_through_token_text_where_spellings_part_inside_characters() -> None:
+    """Two spellings of the same text that part inside a character (one keeps a byte token where the other
+    has a token of several bytes), and calls that end inside a character: the places where a byte-level
+    decode does not split, so `TokenText` must step back to where it does."""
+    from ajet_hpc.algo.detokenize import TokenText
+
+    tokenizer = tiny_qwen.build_tokenizer()
+    token_text = TokenText(tokenizer)
+    byte_token = byte_characters()
+    byte_ids = [tokenizer.convert_tokens_to_ids(byte_token[b]) for b in range(256)]
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def spell(data: bytes, rng: random.Random) -> list[int]:
+        """``data`` cut at random bytes; each piece encoded as text where it is valid UTF-8, else as bytes."""
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 4))))
+        out: list[int] = []
+        for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            try:
+                out += enc(data[a:b].decode())
+            except UnicodeDecodeError:
+                out += [byte_ids[x] for x in data[a:b]]
+        return out
+
+    prompt = enc("<|im_start|>user\nsay it<|im_end|>\n<|im_start|>assistant\n")
+    seen: dict[str, int] = {}
+    for seed in range(300):
+        rng = random.Random(seed)
+        text = " ".join(rng.choice(UNICODE_WORDS + WORDS[:4]) for _ in range(rng.randint(2, 6)))
+        data = text.encode()
+        ends = sorted(rng.sample(range(1, len(data) + 1), min(len(data), rng.randint(2, 4))))
+        calls = []
+        for k, end in enumerate(ends):  # each call's text a byte prefix of the next one's
+            ids = spell(data[:end], rng)
+            n, m = len(prompt) + len(ids) - min(2, len(ids)), len(prompt) + len(ids)  # trains its last tokens
+            calls.append(
+                Sample(
+                    prompt + ids,
+                    [0] * n + [1] * (m - n),
+                    [0.0] * n + [-0.5] * (m - n),
+                    [0.0] * n + [1.0] * (m - n),
+                    0,
+                    "ep",
+                    "task",
+                    calls=[k],
+                )
+            )
+        rng.shuffle(calls)
+        got = merge.merge_linear(calls, level=merge.TEXT, decode=token_text)
+        # today's merge with the tokenizer's decode (the reference cut inside characters: see above)
+        assert got == merge.merge_linear(calls, level=merge.TEXT, decode=decode), f"seed {seed}"
+        for snap in got[1]:
+            seen[snap.reason] = seen.get(snap.reason, 0) + 1
+    assert seen.get("text_trusted", 0) > 20, seen

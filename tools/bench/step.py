@@ -16,9 +16,12 @@ Each repeat times the functions the coordinator calls for a step (``ajet_hpc/tra
 the same order, on the same objects:
 
 - ``collect``: ``BatchCollector.add`` for every episode, then ``try_batch`` (the batch of 32 task groups);
-- ``build``: ``build_samples`` (credit and advantages, loss weights, merging as configured, packing);
+- ``build``: ``build_samples`` (credit and advantages, loss weights, merging as configured, packing),
+  with the coordinator's decode (``TokenText`` of the workload's tokenizer: the snap report asks whether
+  a call that did not merge is a text prefix of the next);
 - ``encode``: ``encode_batch`` (the batch file's bytes; with overlap the coordinator makes them while the
-  previous step trains);
+  previous step trains). Build and encode run with the garbage collector paused, as in the coordinator
+  (``trainer.samples.gc_paused``);
 - ``handover``: ``ConsumedJournal.append`` (the consumed journal line, fsynced) and
   ``TrainerChannel.submit`` with those bytes (the batch file, written by rename): what stays on the
   critical path when the batch was prepared ahead;
@@ -32,7 +35,8 @@ they wait for all of ``coordinator_s``.
 
 ``build`` is broken down by running its parts again on their own:
 
-- ``faults``: ``episode_fault`` per episode (its rewards, and its call samples built alone);
+- ``faults``: ``record_fault`` per episode (its calls and rewards; ``episode_fault``, which also builds
+  its call samples alone, runs only when the build fails);
 - ``samples``: ``call_samples`` per task group (per-call samples with their advantages);
 - ``merge``: ``merge_linear`` and the snap report per episode;
 - ``pack``: ``pack_tree`` (zero unless ``--merge tree``);
@@ -68,6 +72,7 @@ for folder in (REPO, BENCH):
 import merge as merge_bench  # noqa: E402  (tools/bench/merge.py: the episode generator)
 
 from ajet_hpc.algo import merge  # noqa: E402
+from ajet_hpc.algo.detokenize import TokenText  # noqa: E402
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
 from ajet_hpc.server.episodes import FINISHED, Episode  # noqa: E402
@@ -78,7 +83,13 @@ from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
 from ajet_hpc.trainer.protocol import TrainerChannel, encode_batch  # noqa: E402
-from ajet_hpc.trainer.samples import build_samples, call_samples, episode_fault, explain_snaps  # noqa: E402
+from ajet_hpc.trainer.samples import (  # noqa: E402
+    build_samples,
+    call_samples,
+    explain_snaps,
+    gc_paused,
+    record_fault,
+)
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
@@ -126,8 +137,9 @@ def _authors(prompt: list[int], system: int) -> list[int]:
     return [SYSTEM if i < system else (USER if i % 3 else TOOL) for i in range(len(prompt))]
 
 
-def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> list[Episode]:
-    """``episodes`` finished episodes in task groups of ``GROUP_SIZE``, rewards unequal within each group.
+def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> tuple[list[Episode], object]:
+    """``episodes`` finished episodes in task groups of ``GROUP_SIZE``, rewards unequal within each group,
+    and their tokenizer.
 
     ``group``: ``merge.py``'s ``GroupWorkload`` (issue 17's group: Qwen2.5 vocabulary, ~500-token system
     prompt, turns of 50-300 tokens, forked, summarised and re-tokenized episodes), one group per task;
@@ -137,7 +149,8 @@ def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> l
     if kind == "group":
         from ajet_hpc.engine.tiny_qwen import build_tokenizer
 
-        generator = merge_bench.GroupWorkload(build_tokenizer(), seed)
+        tokenizer = build_tokenizer()
+        generator = merge_bench.GroupWorkload(tokenizer, seed)
         decode, system = generator.decode, merge_bench.GROUP_SYSTEM
         calls = [c for _ in range(episodes // GROUP_SIZE) for c in generator.group(turns)]
     else:
@@ -152,7 +165,7 @@ def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> l
             return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
         calls = [synth.episode(turns, e % FORK_EVERY == FORK_EVERY - 1, f"ep{e}") for e in range(episodes)]
-    return [
+    built = [
         episode(
             episode_calls,
             decode,
@@ -164,12 +177,15 @@ def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> l
         )
         for e, episode_calls in enumerate(calls)
     ]
+    return built, tokenizer
 
 
 # ---- one repeat ----------------------------------------------------------------------------------------
 
 
-def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: int) -> dict[str, float]:
+def one_step(
+    episodes: list[Episode], config: TrainerConfig, work: Path, step: int, decode: TokenText
+) -> dict[str, float]:
     """The coordinator's work for one step, phase by phase (seconds)."""
     times: dict[str, float] = {}
     started = time.perf_counter()
@@ -181,15 +197,16 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
         raise RuntimeError(f"the collector made no batch of all {len(episodes)} episodes")
     times["collect"] = _lap(started)
 
-    started = time.perf_counter()
-    samples, merging = build_samples(batch, config)
-    times["build"] = _lap(started)
-    if batch.invalid:
-        raise RuntimeError(f"episodes dropped from the batch: {batch.invalid}")
+    with gc_paused():  # as the coordinator builds and encodes (`Coordinator._build`)
+        started = time.perf_counter()
+        samples, merging = build_samples(batch, config, decode)
+        times["build"] = _lap(started)
+        if batch.invalid:
+            raise RuntimeError(f"episodes dropped from the batch: {batch.invalid}")
 
-    started = time.perf_counter()
-    encoded = encode_batch(step, samples, save_checkpoint=False)
-    times["encode"] = _lap(started)
+        started = time.perf_counter()
+        encoded = encode_batch(step, samples, save_checkpoint=False)
+        times["encode"] = _lap(started)
 
     started = time.perf_counter()
     ConsumedJournal(work / "ckpt" / "consumed.jsonl").append(step, [e.episode_id for e in batch.episodes], [])
@@ -204,18 +221,19 @@ def one_step(episodes: list[Episode], config: TrainerConfig, work: Path, step: i
     times["row"] = _lap(started)
     encode_step(StepRecord(step=step, metrics=row, samples=samples))
     times["record"] = _lap(started)
-    times.update(build_parts(batch.groups, config))
+    with gc_paused():
+        times.update(build_parts(batch.groups, config, decode))
     times["rest"] = times["build"] - sum(times[p] for p in ("faults", "samples", "merge", "pack"))
     return times
 
 
-def build_parts(groups: list[list[Episode]], config: TrainerConfig) -> dict[str, float]:
-    """``build_samples``'s parts run on their own, in its order: the per-episode checks, call samples,
+def build_parts(groups: list[list[Episode]], config: TrainerConfig, decode: TokenText) -> dict[str, float]:
+    """``build_samples``'s parts run on their own, in its order: the per-episode record checks, call samples,
     merging, packing."""
     started = time.perf_counter()
     for group in groups:
         for item in group:
-            episode_fault(item, config)
+            record_fault(item)
     faults_s = _lap(started)
     started = time.perf_counter()
     per_call = [call_samples(group, config.turn_gamma) for group in groups]
@@ -226,8 +244,8 @@ def build_parts(groups: list[list[Episode]], config: TrainerConfig) -> dict[str,
             if config.merge.mode == "none" or len(calls) < 2:
                 continue
             started = time.perf_counter()
-            merged, _ = merge.merge_linear(calls, level=config.merge.level)
-            explain_snaps(item.episode_id, item.timelines, merged)
+            merged, _ = merge.merge_linear(calls, level=config.merge.level, decode=decode)
+            explain_snaps(item.episode_id, item.timelines, merged, decode)
             merge_s += _lap(started)
             if config.merge.mode == "tree" and len(merged) > 1:
                 started = time.perf_counter()
@@ -261,7 +279,9 @@ def output_layer_result(quick: bool) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    episodes = workload(args.episodes, args.turns, args.workload)
+    episodes, tokenizer = workload(args.episodes, args.turns, args.workload)
+    decode = TokenText(tokenizer)  # as the coordinator decodes (snap reports; text-level merging)
+    decode.joins  # noqa: B018  (read once per run, as the coordinator's, not timed)
     calls = sum(len(e.timelines) for e in episodes)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for e in episodes for t in e.timelines)
     print(
@@ -279,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="ajet-bench-step-") as tmp:
         for repeat in range(args.repeats):
-            times = one_step(episodes, config, Path(tmp), step=repeat + 1)
+            times = one_step(episodes, config, Path(tmp), step=repeat + 1, decode=decode)
             times["coordinator"] = sum(times[p] for p in WORK)
             times["critical"] = times["handover"] + times["row"]
             runs.append(times)
