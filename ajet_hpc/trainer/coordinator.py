@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -263,7 +264,8 @@ class Coordinator:
             log_path=log_path,
             env=env,
         )
-        channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
+        process = self.process
+        channel = TrainerChannel(self.work_dir, alive=lambda: process.poll() is None, log_path=log_path)
         self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
         self._ranks_idle_since = time.monotonic()
@@ -506,7 +508,7 @@ class Coordinator:
         batch, samples, merging = prepared.batch, prepared.samples, prepared.merging
         mean, std = reward_stats(batch)
         lag = [self.step - 1 - sample.policy_version for sample in samples]
-        row = {
+        row: dict[str, Any] = {
             "step": self.step,
             "model": self.server.name,
             "reward_mean": mean,

@@ -311,7 +311,7 @@ _T = TypeVar("_T", int, float, bool, str)
 
 def _field(payload: dict[str, Any], name: str, kind: type[_T], what: str) -> _T:
     """``payload[name]`` as ``kind`` (an int is a float too; a bool is neither); ``ValueError`` naming it."""
-    value = payload.get(name)
+    value: Any = payload.get(name)
     if isinstance(value, bool) and kind is not bool:
         fits = False
     elif kind is float:
