@@ -24,9 +24,11 @@ $(STAMP): $(LOCK) pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Lint, format, and type-check the package (mypy: [tool.mypy] in pyproject.toml).
 check: install
 	$(VENV)/bin/ruff check ajet_hpc tests tools
 	$(VENV)/bin/ruff format --check ajet_hpc tests tools
+	$(PY) -m mypy
 
 # Brings the dev Slurm cluster up when no Slurm answers and we are root; the Slurm tests skip (and fail
 # under CI=true) when there is none.
@@ -58,4 +60,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -37,7 +37,7 @@ from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, WorkDir
+from ajet_hpc.trainer.protocol import MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 QWEN25_05B = {
@@ -171,10 +171,10 @@ async def train_pass(engine, model: Path, work: Path, args, backend: str | None)
             step_s = time.monotonic() - began
             began = time.monotonic()
             wake_s = await engine.wake_up()
-            if result["weights"] == "memory":  # sent before the result was written
-                sync_s = result["sync_send_s"]
+            if isinstance(result.weights, MemoryWeights):  # sent before the result was written
+                sync_s = result.weights.send_s
             else:
-                await engine.load_weights(Path(result["weights_dir"]), step)
+                await engine.load_weights(result.weights.folder, step)
                 sync_s = time.monotonic() - began
             greedy = SamplingParams(max_tokens=16, temperature=0.0)
             out = await generate_all(engine, prompt, greedy, f"g{step}-{backend}")
@@ -191,8 +191,8 @@ async def train_pass(engine, model: Path, work: Path, args, backend: str | None)
                 )
             )
             print(
-                f"step {step}: loss {result['loss']:.4f}, trainer {step_s:.2f} s, weights "
-                f"{result['weights']} {sync_s:.3f} s, wake {wake_s:.2f} s, sleep {sleep_s:.2f} s"
+                f"step {step}: loss {result.loss:.4f}, trainer {step_s:.2f} s, weights "
+                f"{result.weights.kind} {sync_s:.3f} s, wake {wake_s:.2f} s, sleep {sleep_s:.2f} s"
             )
         channel.request_stop()
         await asyncio.to_thread(process.wait, 120)
@@ -225,7 +225,7 @@ async def check(args: argparse.Namespace) -> dict:
         await engine.stop()
     device = "cpu" if args.cpu else "cuda"
     last = disk[-1]
-    reference = score(Path(last["result"]["weights_dir"]), last["prompt"], last["tokens"], device)
+    reference = score(last["result"].weights.folder, last["prompt"], last["tokens"], device)
     engine_vs_trained = max(abs(a - b) for a, b in zip(last["logprobs"], reference, strict=True))
     print(f"engine (disk reload) vs a transformers forward of the trained weights: {engine_vs_trained:.4f}")
     memory_vs_disk = 0.0

@@ -129,7 +129,9 @@ def head_logprobs(
     real = -(-rows // chunk_tokens)
     count = max(real, min_chunks)
     size = -(-rows // real) if rows else 0  # equal chunks of at most chunk_tokens rows
-    picked, entropies, padding = [], [], []
+    picked: list[Tensor] = []
+    entropies: list[Tensor] = []
+    padding: list[Tensor] = []
     for i in range(count):
         if i < real:
             h, t = hidden[i * size : (i + 1) * size], targets[i * size : (i + 1) * size]
@@ -141,7 +143,7 @@ def head_logprobs(
         else:
             out = _chunk_logprobs(head, h, t, chunk)
         (picked if i < real else padding).append(out)
-        if i < real:
+        if i < real and chunk.entropy is not None:  # set by the forward when wanted
             entropies.append(chunk.entropy)
     logp = torch.cat(picked) if picked else hidden.new_zeros(0, dtype=torch.float32)
     if grad and not picked:
@@ -174,6 +176,7 @@ def _head_makes_logits(model: Callable[..., Any], module: nn.Module, head: nn.Mo
             again = head(hidden[-1][:, -1:]).float() if hidden and logits is not None else None
         _HEAD_CHECKED[module] = (
             again is not None
+            and logits is not None
             and again.shape == logits.shape
             and torch.allclose(again, logits.float(), rtol=1e-4, atol=1e-4)
         )
@@ -204,7 +207,7 @@ def model_logprobs(
     At positions the loss uses, the values equal ``token_logprobs`` / ``entropy_from_logits`` on the full
     logits; elsewhere both are 0.
     """
-    module = getattr(model, "module", model)
+    module: Any = getattr(model, "module", model)  # a Hugging Face model, inside a DeepSpeed engine or not
     input_ids = inputs["input_ids"]
     rows, cols, sources = predicted_positions(loss_mask, parents)
     targets = input_ids[rows, cols]

@@ -301,9 +301,12 @@ class GroupTask:
 
     def commit_recorded(self, task: Task, repeat: int) -> bool:
         """Commit the result the servers recorded for (task, repeat), when every one of them ended it."""
-        found = {name: self.ended.get(name, {}).get((task.id, repeat)) for name in self.group.servers}
-        if any(info is None for info in found.values()):
-            return False
+        found: dict[str, dict] = {}
+        for name in self.group.servers:
+            info = self.ended.get(name, {}).get((task.id, repeat))
+            if info is None:
+                return False
+            found[name] = info
         first = found[self.group.servers[0]]
         self.store.commit(
             Result(
@@ -488,7 +491,11 @@ def _stop_on_sigterm(worker: GroupTask) -> Callable[[], None]:
         threading.Thread(target=worker.stop, args=(reason,), name="drain", daemon=True).start()
 
     previous = signal.signal(signal.SIGTERM, handle)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
 
 
 def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:

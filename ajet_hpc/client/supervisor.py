@@ -112,7 +112,11 @@ def _handle(signum: int, handler: Callable[[int, object], None]) -> Callable[[],
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = signal.signal(signum, handler)
-    return lambda: signal.signal(signum, previous)
+
+    def restore() -> None:
+        signal.signal(signum, previous)
+
+    return restore
 
 
 def run_supervised(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import re
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -82,7 +82,7 @@ def issues_from_validation_error(
     return issues
 
 
-def _message(err: dict[str, Any], loc: tuple[str | int, ...], model: type[BaseModel] | None) -> str:
+def _message(err: Mapping[str, Any], loc: tuple[str | int, ...], model: type[BaseModel] | None) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         return _unknown_key_message(str(loc[-1]) if loc else "?", _model_at(model, loc[:-1]))

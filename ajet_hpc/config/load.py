@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from ajet_hpc.config.errors import ROOT, ConfigError, ConfigIssue, issues_from_validation_error
 from ajet_hpc.config.overrides import apply_overrides
-from ajet_hpc.config.topology import Topology
+from ajet_hpc.config.topology import ClientGroupConfig, ServerConfig, Topology
 from ajet_hpc.config.yaml_io import parse_yaml, to_yaml
 
 
@@ -45,7 +45,10 @@ def check_partitions(topology: Topology, available: set[str]) -> None:
     known = {name.rstrip("*") for name in available}
     listed = ", ".join(sorted(known)) or "(none)"
     issues = []
-    jobs = [("servers", topology.servers), ("clients", topology.clients)]
+    jobs: list[tuple[str, Sequence[ServerConfig | ClientGroupConfig]]] = [
+        ("servers", topology.servers),
+        ("clients", topology.clients),
+    ]
     for section, members in jobs:
         for i, member in enumerate(members):
             for part in member.partition.split(","):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -195,7 +195,7 @@ def select_devices(visible: Sequence[str], positions: Sequence[int], who: str) -
     return ",".join(visible[p] for p in positions)
 
 
-def bind_rank_gpu(environ: dict[str, str], node: int, local_rank: int) -> bool:
+def bind_rank_gpu(environ: MutableMapping[str, str], node: int, local_rank: int) -> bool:
     """In a trainer rank, before CUDA starts: narrow ``CUDA_VISIBLE_DEVICES`` to the rank's one GPU (which
     it then sees as ``cuda:0``) from ``AJET_RANK_GPUS``. False when the variable is unset (CPU ranks)."""
     table = environ.get(RANK_GPUS_VAR)

@@ -12,6 +12,7 @@ validation context ``{"envs_dir": path}`` also checks that client ``env`` files 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -38,6 +39,13 @@ _MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
 _SLURM_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.+@-]*$"
 
 
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def _jsonl_only() -> list[TrackerName]:
+    return ["jsonl"]
+
+
 class RunConfig(BaseModel):
     """Identity of the run and where its run directory lives."""
 
@@ -49,8 +57,8 @@ class RunConfig(BaseModel):
         min_length=1,
         description="Run directory on shared storage; default runs/<name> relative to the working directory.",
     )
-    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["jsonl"],
+    trackers: list[TrackerName] = Field(
+        default_factory=_jsonl_only,
         description="Where each server also logs its metrics rows: 'jsonl' (RUN/metrics.jsonl, always), "
         "'tensorboard' (RUN/tensorboard), 'wandb' (offline by default: RUN/wandb), 'mlflow' (file store "
         "RUN/mlruns). The libraries are extras: pip install 'ajet_hpc[wandb]'.",
@@ -568,7 +576,10 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
                 issues.append(ConfigIssue(path, f"server {ref!r} is listed twice"))
             seen.add(ref)
     delay = topology.cluster.signal_delay_s
-    jobs = [("servers", topology.servers), ("clients", topology.clients)]
+    jobs: list[tuple[str, Sequence[ServerConfig | ClientGroupConfig]]] = [
+        ("servers", topology.servers),
+        ("clients", topology.clients),
+    ]
     for section, members in jobs:
         for i, member in enumerate(members):
             if member.time_min * 60 <= delay:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import yaml
 from yaml.constructor import ConstructorError
-from yaml.nodes import MappingNode, Node, ScalarNode
+from yaml.nodes import MappingNode, ScalarNode
 
 from ajet_hpc.config.errors import ROOT, ConfigError
 
@@ -41,10 +41,12 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 class _Loader(yaml.SafeLoader):
     """Safe loader with YAML 1.2 core scalars and duplicate-key detection."""
 
-    yaml_implicit_resolvers: ClassVar[dict[str, list[tuple[str, re.Pattern[str]]]]] = {}  # none of 1.1's
+    # none of 1.1's. A class variable in PyYAML (add_implicit_resolver fills it per class); types-PyYAML
+    # declares it an instance variable.
+    yaml_implicit_resolvers: ClassVar[dict[str, list[tuple[str, re.Pattern[str]]]]] = {}  # type: ignore[misc]
 
-    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, MappingNode):
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, MappingNode):  # a !!map tag on a scalar lands here too: the base class reports it
             seen: set[Any] = set()
             for key_node, _ in node.value:
                 if key_node.tag == _MERGE_TAG:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, Self, runtime_checkable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -179,8 +179,16 @@ class EngineLifecycle:
             raise EngineError("the engine is not started: call start() first")
         return self._tokenizer
 
-    async def __aenter__(self):
-        await self.start()  # type: ignore[attr-defined]
+    async def start(self) -> None:
+        """Load the model and the tokenizer (each engine its own way)."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        """Abort what runs and release the model."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
         return self
 
     async def sleep(self) -> float:
@@ -193,4 +201,4 @@ class EngineLifecycle:
         return 0.0
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop()  # type: ignore[attr-defined]
+        await self.stop()

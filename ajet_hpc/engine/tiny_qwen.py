@@ -152,11 +152,7 @@ def build_model(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2ForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     endoftext, im_end = FIRST_CONTROL_ID, FIRST_CONTROL_ID + 2
-    special = (
-        {"bos_token_id": endoftext, "eos_token_id": im_end, "pad_token_id": endoftext}
-        if im_end < vocab_size
-        else {}
-    )
+    special = im_end < vocab_size  # the control tokens are in the vocabulary
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -168,7 +164,9 @@ def build_model(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2ForCausalLM
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        **special,
+        bos_token_id=endoftext if special else None,
+        eos_token_id=im_end if special else None,
+        pad_token_id=endoftext if special else None,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

@@ -124,7 +124,8 @@ class TransformersEngine(EngineLifecycle):
         model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=getattr(torch, dtype), local_files_only=True
         )
-        self._model = model.to(device).eval()
+        # transformers wraps to() in functools.wraps, which typeshed types as unbound (self is the device)
+        self._model = model.to(device).eval()  # type: ignore[arg-type]
         self._device = torch.device(device)
         self.max_model_len = min(settings.max_model_len, model.config.max_position_embeddings)
         self._eos_ids = _eos_ids(self._tokenizer, model)
@@ -184,6 +185,8 @@ class TransformersEngine(EngineLifecycle):
         generator = self._generator
         if params.seed is not None:
             generator = torch.Generator(self._device).manual_seed(params.seed)
+        if generator is None:
+            raise RuntimeError("the transformers engine is not started")
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         inputs = torch.tensor([prompt_ids], device=self._device)
         cache = None
@@ -203,6 +206,8 @@ class TransformersEngine(EngineLifecycle):
                     finish = "stop"
                 elif params.stop:
                     new_text = self.tokenizer.decode(sampled, skip_special_tokens=True)
+                    if not isinstance(new_text, str):  # a list only for a batch of sequences
+                        raise TypeError(f"decoding one sequence gave a {type(new_text).__name__}")
                     if completes_stop_string(new_text, len(new_text) - len(text), params.stop):
                         finish = "stop"
                     text = new_text

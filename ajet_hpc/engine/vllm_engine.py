@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ajet_hpc.engine.base import (
     Chunk,
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 STOPPING_VAR = "AJET_ENGINE_STOPPING_FILE"
 """A file that exists once the server stops its engine: until then vLLM's processes ignore SIGTERM."""
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -53,7 +54,7 @@ _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", 
 class VllmSettings:
     """Settings of the vLLM engine."""
 
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """Weights' dtype: "auto" is bfloat16 on a GPU and float32 on the CPU."""
     max_model_len: int = 2048
     """Most tokens of prompt + completion."""
@@ -128,7 +129,7 @@ class VllmEngine(EngineLifecycle):
         # inherited by vLLM's processes (see shield_from_job_signals); created by stop()
         self._stopping = Path(tempfile.mkdtemp(prefix="ajet-engine-")) / "stopping"
         os.environ[STOPPING_VAR] = str(self._stopping)
-        dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
+        dtype: Dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
         config = json.loads((self.model_path / "config.json").read_text())
         self._vocab_size = config["vocab_size"]
         if settings.enable_sleep_mode and on_cpu:
@@ -201,12 +202,12 @@ class VllmEngine(EngineLifecycle):
         max_tokens = check_prompt(prompt_ids, self._vocab_size, params.max_tokens, self.max_model_len)
         if request_id in self._in_flight:
             raise EngineError(f"request id {request_id!r} is already in flight")
-        stream = self._llm.generate(
+        outputs = self._llm.generate(
             tokens_input(list(prompt_ids)), _vllm_params(params, max_tokens, stream), request_id
         )
         self._in_flight.add(request_id)
         try:
-            async for output in stream:
+            async for output in outputs:
                 completion = output.outputs[0]
                 token_ids = list(completion.token_ids)
                 finish = completion.finish_reason
@@ -222,7 +223,7 @@ class VllmEngine(EngineLifecycle):
             raise EngineError(f"request {request_id}: {error}") from error
         finally:
             self._in_flight.discard(request_id)
-            await stream.aclose()  # aborts the request in vLLM when the consumer left early
+            await outputs.aclose()  # aborts the request in vLLM when the consumer left early
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

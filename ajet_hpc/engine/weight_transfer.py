@@ -28,6 +28,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
+    WeightSource,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
@@ -234,8 +235,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     """The trainer's side: rank 0 sends, every rank iterates the source (a gather under ZeRO-3)."""
 
     init_info_cls = GlooTrainerInitInfo
+    source: WeightSource  # vLLM's base allows none (payload-only backends); this one always iterates one
 
-    def __init__(self, *, client, source, is_sender: bool, bucket_bytes: int) -> None:
+    def __init__(self, *, client, source: WeightSource, is_sender: bool, bucket_bytes: int) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes = bucket_bytes
         self.group = None

@@ -50,10 +50,11 @@ def episode_rows(model: ModelRun, chosen: EpisodeFilter) -> Iterator[dict[str, A
 def trained_samples(model: ModelRun) -> dict[tuple[str, tuple[int, ...]], tuple[int, Any]]:
     """``(episode_id, token_ids) -> (step, Sample)`` for every sample a step of ``model`` trained on."""
     found: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
-    if not model.has_store:
+    reader = model.reader
+    if reader is None:  # no store yet
         return found
     for entry in model.steps():
-        for sample in model.reader.step_samples(entry["step"]):
+        for sample in reader.step_samples(entry["step"]):
             found[(sample.episode_id, tuple(sample.token_ids))] = (entry["step"], sample)
     return found
 

@@ -58,10 +58,6 @@ def task_states(job: SubmittedJob) -> list[TaskState]:
     return states
 
 
-def run_states(run: RunDir) -> list[TaskState]:
-    return [state for job in registry.latest(run).values() for state in task_states(job)]
-
-
 def describe_servers(run: RunDir, now: float | None = None) -> list[str]:
     """One line per server (state, step of total, last step time, address, heartbeat), and the reason of
     a server that finished early or failed on the next line."""

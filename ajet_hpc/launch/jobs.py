@@ -9,6 +9,8 @@ a client task whose servers failed) raises, so that Slurm marks it FAILED and no
 
 from __future__ import annotations
 
+from typing import Any
+
 import submitit
 
 
@@ -34,7 +36,7 @@ class ServerJob(submitit.helpers.Checkpointable):
             raise JobFailed(f"server {self.name} failed (exit code {code}): see its rendezvous and log")
         return code
 
-    def checkpoint(self, *args, **kwargs):  # type: ignore[override]
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """USR2: save the trainer's state and flush the episode store (once), then let submitit requeue us."""
         from ajet_hpc.server import preemption
 

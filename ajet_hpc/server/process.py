@@ -63,7 +63,7 @@ class GracefulServer(uvicorn.Server):
     and exits 0, where plain uvicorn would die of the re-raised signal before any cleanup."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self):
         if threading.current_thread() is not threading.main_thread():
             yield
             return

@@ -294,7 +294,7 @@ class HeldLease:
         self.timing = timing
         self.taken_from = taken_from  # the stale lease we replaced, if any
         self.lost: str | None = None  # why the lease is no longer ours, once it is not
-        self._on_lost = weakref.WeakMethod(on_lost)  # type: ignore[arg-type]
+        self._on_lost = weakref.WeakMethod(on_lost)
         self._lock = threading.Lock()
         self._confirmed = time.monotonic() - max(0.0, lease.age())  # our last heartbeat known to be ours
         self._stop = threading.Event()

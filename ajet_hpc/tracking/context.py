@@ -165,15 +165,15 @@ class ContextTracker:
     ) -> PromptPlan:
         """The prompt ids for ``messages``, with the recorded ids of earlier answers spliced in."""
         created_at = time.time()
-        messages = copy.deepcopy(list(messages))
+        owned = copy.deepcopy(list(messages))  # the plan's own copy, shared by its timelines
         tools = copy.deepcopy(tools)
-        layout = self._layout.layout(messages, tools, dict(template_kwargs or {}))
+        layout = self._layout.layout(owned, tools, dict(template_kwargs or {}))
         histories = [""]
-        for message in messages:
+        for message in owned:
             histories.append(chain_key(histories[-1], _turn_key(message)))
         drift = list(layout.drift)
-        spans = self._find_answers(messages, layout, histories, drift)
-        prompt_ids, authors, reused, pieces = self._splice(messages, layout, spans)
+        spans = self._find_answers(owned, layout, histories, drift)
+        prompt_ids, authors, reused, pieces = self._splice(owned, layout, spans)
         if spans:
             drift.extend(self._verify(layout, spans, pieces))
         drift.sort(key=lambda event: event.message_index)
@@ -183,7 +183,7 @@ class ContextTracker:
             reused_spans=reused,
             drift=drift,
             text=layout.text,
-            messages=messages,
+            messages=owned,
             tools=tools,
             history_key=histories[-1],
             created_at=created_at,
@@ -227,7 +227,10 @@ class ContextTracker:
         return timeline
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not isinstance(text, str):  # a list only for a batch of sequences
+            raise TypeError(f"decoding one sequence gave a {type(text).__name__}, not text")
+        return text
 
     def _variants(self, ids: list[int]) -> tuple[tuple[tuple[int, ...], str], ...]:
         variants = [(tuple(ids), self._decode(ids))]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,13 +96,18 @@ class TemplateLayout:
         template_kwargs: dict[str, Any],
         generation_prompt: bool,
     ) -> str:
-        return self.tokenizer.apply_chat_template(
+        # transformers types the tools as dicts or functions, in an invariant list
+        tool_list: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else [*tools]
+        text = self.tokenizer.apply_chat_template(
             list(messages),
-            tools=tools,
+            tools=tool_list,
             add_generation_prompt=generation_prompt,
             tokenize=False,
             **template_kwargs,
         )
+        if not isinstance(text, str):  # ids or an encoding only when tokenizing, which this call does not
+            raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
+        return text
 
     def layout(
         self,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -44,7 +45,14 @@ from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir, encode_batch
+from ajet_hpc.trainer.protocol import (
+    MemoryWeights,
+    StepResult,
+    TrainerChannel,
+    TrainerFailed,
+    WorkDir,
+    encode_batch,
+)
 from ajet_hpc.trainer.samples import build_samples, gc_paused
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.trackers import Trackers, step_histograms
@@ -258,7 +266,8 @@ class Coordinator:
             log_path=log_path,
             env=env,
         )
-        channel = TrainerChannel(self.work_dir, alive=lambda: self.process.poll() is None, log_path=log_path)
+        process = self.process
+        channel = TrainerChannel(self.work_dir, alive=lambda: process.poll() is None, log_path=log_path)
         self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
         self._ranks_idle_since = time.monotonic()
@@ -432,19 +441,19 @@ class Coordinator:
                 return True
             trained = time.monotonic()
             wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
-            if result.get("weights") == "memory":  # sent before the result was written
-                sync_s = float(result.get("sync_send_s") or 0.0)
+            if isinstance(result.weights, MemoryWeights):  # sent before the result was written
+                sync_s = result.weights.send_s
                 pause_s = getattr(self.ctx.engine, "last_pause_s", 0.0)
             else:
-                await self.ctx.engine.load_weights(Path(result["weights_dir"]), step)
+                await self.ctx.engine.load_weights(result.weights.folder, step)
                 sync_s = pause_s = time.monotonic() - trained
-            result = {**result, "sleep_s": sleep_s, "wake_s": wake_s, "pause_s": pause_s}
+            engine_s = {"engine_pause_s": _round(pause_s), "engine_sleep_s": sleep_s, "engine_wake_s": wake_s}
         finally:
             self.ctx.admission.set()
         self._in_flight = None
         self.step = step
         self.collector.set_policy_version(step)
-        self._record(prepared, result, time.monotonic() - started, sync_s)
+        self._record(prepared, result, time.monotonic() - started, sync_s, engine_s)
         return True
 
     def save_on_signal(self, timeout_s: float) -> int | None:
@@ -489,7 +498,14 @@ class Coordinator:
         where it splits (``algo/detokenize.py``): built once, 0.8 s for Qwen's vocabulary."""
         return TokenText(self.ctx.engine.tokenizer)
 
-    def _record(self, prepared: _Prepared, result: dict, step_s: float, sync_s: float) -> None:
+    def _record(
+        self,
+        prepared: _Prepared,
+        result: StepResult,
+        step_s: float,
+        sync_s: float,
+        engine_s: dict[str, float | None] | None = None,
+    ) -> None:
         if self.step <= self._recorded_step:  # save_on_signal recorded it during the step's last awaits
             log.info("step %d is recorded already", self.step)
             return
@@ -497,26 +513,29 @@ class Coordinator:
         batch, samples, merging = prepared.batch, prepared.samples, prepared.merging
         mean, std = reward_stats(batch)
         lag = [self.step - 1 - sample.policy_version for sample in samples]
-        row = {
+        row: dict[str, Any] = {
             "step": self.step,
             "model": self.server.name,
             "reward_mean": mean,
             "reward_std": std,
-            **{key: result.get(key) for key in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens")},
+            "loss": result.loss,
+            "kl": result.kl,
+            "entropy": result.entropy,
+            "clip_frac": result.clip_frac,
+            "grad_norm": result.grad_norm,
+            "tokens": result.tokens,
             "samples": len(samples),
             **merging.metrics(),
             "episodes": len(batch.episodes),
             "step_time_s": round(step_s, 4),
-            "train_time_s": result.get("step_time_s"),
+            "train_time_s": result.step_time_s,
             "weight_sync_s": round(sync_s, 4),
             "coordinator_s": round(prepared.work_s(), 4),
             "coordinator_critical_s": round(prepared.work_s(after=prepared.ranks_idle_since), 4),
             "prepared_ahead": prepared.built < prepared.ranks_idle_since,
-            "weight_sync": result.get("weights"),
-            "weight_sync_bytes": result.get("sync_bytes"),
-            "engine_pause_s": _round(result.get("pause_s")),
-            "engine_sleep_s": result.get("sleep_s"),
-            "engine_wake_s": result.get("wake_s"),
+            "weight_sync": result.weights.kind,
+            "weight_sync_bytes": result.weights.bytes if isinstance(result.weights, MemoryWeights) else None,
+            **(engine_s or dict.fromkeys(("engine_pause_s", "engine_sleep_s", "engine_wake_s"))),
             "policy_version": self.step,
             "staleness": statistics.fmean(lag) if lag else 0.0,
             "skipped_equal_groups": batch.skipped_equal,
@@ -541,9 +560,9 @@ class Coordinator:
             self.config.total_steps,
             mean,
             std,
-            result.get("loss") or 0.0,
-            _fmt(result.get("entropy")),
-            result.get("tokens"),
+            result.loss,
+            _fmt(result.entropy),
+            result.tokens,
             merging.samples_before,
             merging.samples_after,
             step_s,

@@ -6,7 +6,7 @@ import datetime
 import logging
 import os
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class RankEnv:
         """The CUDA device this rank uses: 0 when bound to one GPU, else its local rank."""
         return 0 if self.gpu_bound else self.local_rank
 
-    def export(self, environ: dict[str, str]) -> None:
+    def export(self, environ: MutableMapping[str, str]) -> None:
         """Write the variables env:// reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
         LOCAL_RANK is the device index: DeepSpeed sets the device from it, and a bound rank sees one GPU."""

@@ -39,30 +39,6 @@ XLOCK_STALE_S = 30.0  # an O_EXCL lock file older than this is left by a dead or
 XLOCK_POLL_S = 0.02
 _warned: set[str] = set()
 
-KEYS = (
-    "step",
-    "model",
-    "reward_mean",
-    "reward_std",
-    "loss",
-    "kl",
-    "entropy",
-    "clip_frac",
-    "grad_norm",
-    "tokens",
-    "samples",
-    "episodes",
-    "step_time_s",
-    "train_time_s",
-    "weight_sync_s",
-    "coordinator_s",
-    "policy_version",
-    "staleness",
-    "skipped_equal_groups",
-    "dropped_stale",
-    "time",
-)
-
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The step rows of a metrics file (also the rows of other JSONL files without events, e.g. swaps)."""

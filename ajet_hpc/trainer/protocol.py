@@ -8,9 +8,11 @@ temporary name and renamed, so a reader sees a whole file or none:
     "save_checkpoint": bool})``, the per-token fields as 64-bit tensors. Rank 0 deletes it once the
     step's result is written.
 ``outbox/step-000001.json``
-    The result, written by rank 0 after the optimizer step and the weight export: ``{"step", "loss", "kl",
-    "entropy", "clip_frac", "grad_norm", "tokens", "samples", "step_time_s", "export_time_s",
-    "weights_dir"}``; or ``{"step", "error"}`` when the step failed (the ranks then exit).
+    The result, written by rank 0 after the optimizer step and the weight hand-off: a :class:`StepResult`
+    as flat JSON (``{"step", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples",
+    "step_time_s", "export_time_s", "checkpoint", "checkpoint_time_s", "weights"}`` with ``"weights":
+    "disk"`` and ``"weights_dir"``, or ``"weights": "memory"``, ``"sync_send_s"`` and ``"sync_bytes"``); or
+    ``{"step", "error"}`` when the step failed (the ranks then exit).
 ``weights/step-000001/``
     The full model as ``save_pretrained`` writes it, plus the initial model's tokenizer files: what the
     engine reloads. The last :data:`KEEP_WEIGHTS` folders are kept.
@@ -19,8 +21,9 @@ temporary name and renamed, so a reader sees a whole file or none:
     checkpoint is complete, the trainer state naming the last complete one. Only the tag named in
     ``trainer_state.json`` is trusted (DeepSpeed's ``latest`` may name a half-written one).
 ``ready.json``
-    Written by rank 0 once the ranks are up: ``{"step": the last trained step (0 when fresh), ...}``; the
-    next batch to submit is ``step + 1``.
+    Written by rank 0 once the ranks are up: ``{"step": the last trained step (0 when fresh), ...}`` and,
+    when resumed, how that step's weights reached the engine (the fields of the hand-off, as in a result);
+    the next batch to submit is ``step + 1``. ``{"error"}`` when a rank failed to start.
 ``stop``
     Created by the coordinator: the ranks exit at their next wait for a batch.
 ``save-request.json``
@@ -43,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -55,20 +58,6 @@ KEEP_WEIGHTS = 2
 """Weight folders kept under ``weights/`` (the newest ones)."""
 KEEP_CHECKPOINTS = 2
 """DeepSpeed checkpoint tags kept under ``ds/`` (the newest ones; the trusted one always)."""
-
-RESULT_KEYS = (
-    "step",
-    "loss",
-    "kl",
-    "entropy",
-    "clip_frac",
-    "grad_norm",
-    "tokens",
-    "samples",
-    "step_time_s",
-    "export_time_s",
-    "weights_dir",
-)
 
 
 class TrainerFailed(RuntimeError):
@@ -228,8 +217,114 @@ def _decode_sample(fields: dict[str, Any]) -> dict[str, Any]:
 # ---- results -------------------------------------------------------------------------------------------
 
 
-def write_result(work: WorkDir, step: int, result: dict[str, Any]) -> None:
-    write_json_atomic(work.result_file(step), {**result, "step": step})
+@dataclass(frozen=True)
+class DiskWeights:
+    """The step's weights were exported to ``folder``, which the engine reloads (``weight_sync: disk``)."""
+
+    folder: Path
+    kind: ClassVar[Literal["disk"]] = "disk"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weights": self.kind, "weights_dir": str(self.folder)}
+
+
+@dataclass(frozen=True)
+class MemoryWeights:
+    """The step's weights were sent to the engine in memory (``weight_sync: memory``), before the result
+    was written: the engine holds them already."""
+
+    send_s: float
+    bytes: int
+    kind: ClassVar[Literal["memory"]] = "memory"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weights": self.kind, "sync_send_s": self.send_s, "sync_bytes": self.bytes}
+
+
+WeightHandoff = DiskWeights | MemoryWeights
+"""How a step's weights reached the engine."""
+
+
+def handoff_from_json(payload: dict[str, Any], what: str) -> WeightHandoff:
+    """The hand-off a result (or the ready record) names in ``weights``, with the fields that go with it."""
+    kind = payload.get("weights")
+    if kind == DiskWeights.kind:
+        return DiskWeights(Path(_field(payload, "weights_dir", str, what)))
+    if kind == MemoryWeights.kind:
+        return MemoryWeights(
+            _field(payload, "sync_send_s", float, what), _field(payload, "sync_bytes", int, what)
+        )
+    raise ValueError(f"{what}: field 'weights' is {kind!r}, not 'disk' nor 'memory'")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What rank 0 reports of a trained step (``outbox/step-N.json``): the step's metrics (equal on every
+    rank), its timings, and how its weights reached the engine."""
+
+    step: int
+    loss: float
+    kl: float
+    """To the reference model; 0 without one."""
+    entropy: float
+    clip_frac: float
+    grad_norm: float
+    """Before clipping; NaN when DeepSpeed gives none."""
+    tokens: int
+    """Masked (trained) tokens of the batch."""
+    samples: int
+    step_time_s: float
+    """Forward, backward and optimizer step."""
+    export_time_s: float
+    """The weight hand-off (export to disk, or the in-memory send)."""
+    checkpoint: bool
+    checkpoint_time_s: float
+    weights: WeightHandoff
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat JSON of a result file (the module doc)."""
+        fields = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        return {**fields, **self.weights.to_json()}
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> StepResult:
+        """Read a result file's JSON; ``ValueError`` naming the field that is missing or of another type."""
+        what = f"the result of step {payload.get('step')!r}"
+        kinds = {"int": int, "float": float, "bool": bool}
+        values: dict[str, Any] = {
+            item.name: _field(payload, item.name, kinds[str(item.type)], what)
+            for item in dataclasses.fields(cls)
+            if item.name != "weights"
+        }
+        return cls(**values, weights=handoff_from_json(payload, what))
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a rank wrote instead of an answer (a result, the ready record, a checkpoint): why it failed."""
+
+    error: str
+
+
+_T = TypeVar("_T", int, float, bool, str)
+
+
+def _field(payload: dict[str, Any], name: str, kind: type[_T], what: str) -> _T:
+    """``payload[name]`` as ``kind`` (an int is a float too; a bool is neither); ``ValueError`` naming it."""
+    value: Any = payload.get(name)
+    if isinstance(value, bool) and kind is not bool:
+        fits = False
+    elif kind is float:
+        fits = isinstance(value, int | float)
+    else:
+        fits = isinstance(value, kind)
+    if not fits:
+        raise ValueError(f"{what}: field {name!r} is {value!r}, not a {kind.__name__}")
+    return kind(value)
+
+
+def write_result(work: WorkDir, result: StepResult) -> None:
+    write_json_atomic(work.result_file(result.step), result.to_json())
 
 
 def write_error(work: WorkDir, step: int, error: str) -> None:
@@ -238,8 +333,14 @@ def write_error(work: WorkDir, step: int, error: str) -> None:
         write_json_atomic(work.result_file(step), {"step": step, "error": error})
 
 
-def read_result(work: WorkDir, step: int) -> dict[str, Any] | None:
-    return read_json(work.result_file(step))
+def read_result(work: WorkDir, step: int) -> StepResult | Failed | None:
+    """Step ``step``'s result, the error that ended it, or None (not written yet)."""
+    payload = read_json(work.result_file(step))
+    if payload is None:
+        return None
+    if "error" in payload:
+        return Failed(str(payload["error"]))
+    return StepResult.from_json(payload)
 
 
 # ---- weights -------------------------------------------------------------------------------------------
@@ -337,6 +438,10 @@ def commit_checkpoint(work: WorkDir, state: TrainerState) -> None:
 # ---- the coordinator's side ----------------------------------------------------------------------------
 
 
+_A = TypeVar("_A")
+"""What a wait returns: a step's result, the ready record, a checkpoint's state."""
+
+
 class TrainerChannel:
     """The coordinator's handle on the ranks: submit batches, await results, stop them.
 
@@ -363,14 +468,16 @@ class TrainerChannel:
         self.work.result_file(step).unlink(missing_ok=True)
         return write_batch(self.work, step, samples, save_checkpoint, encoded)
 
-    async def wait_result(self, step: int, poll_s: float = 0.05, timeout_s: float | None = None) -> dict:
+    async def wait_result(
+        self, step: int, poll_s: float = 0.05, timeout_s: float | None = None
+    ) -> StepResult:
         """The result of step ``step``; ``TrainerFailed`` if the step failed or the ranks are gone,
         ``TimeoutError`` after ``timeout_s``."""
         return await self._wait(lambda: read_result(self.work, step), f"step {step}", poll_s, timeout_s)
 
-    async def wait_ready(self, poll_s: float = 0.1, timeout_s: float | None = None) -> dict:
+    async def wait_ready(self, poll_s: float = 0.1, timeout_s: float | None = None) -> dict[str, Any]:
         """Rank 0's ready record once the ranks are up: ``{"step": last trained step, ...}``."""
-        return await self._wait(lambda: read_json(self.work.ready), "the ranks to start", poll_s, timeout_s)
+        return await self._wait(self._read_ready, "the ranks to start", poll_s, timeout_s)
 
     def request_stop(self) -> None:
         """Ask the ranks to exit (at their next wait for a batch)."""
@@ -382,19 +489,19 @@ class TrainerChannel:
         self.work.save_refused.unlink(missing_ok=True)
         write_json_atomic(self.work.save_request, {"step": step})
 
-    def wait_result_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
+    def wait_result_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> StepResult:
         """`wait_result` for a caller that cannot await (a signal handler on the event loop's thread)."""
         return self._wait_blocking(lambda: read_result(self.work, step), f"step {step}", poll_s, timeout_s)
 
-    def wait_saved_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> dict:
-        """Block until the trusted checkpoint is step ``step`` (after `request_save`)."""
+    def wait_saved_blocking(self, step: int, timeout_s: float, poll_s: float = 0.05) -> TrainerState:
+        """Block until the trusted checkpoint is step ``step`` (after `request_save`); its state."""
 
-        def saved() -> dict | None:
+        def saved() -> TrainerState | Failed | None:
             refused = read_json(self.work.save_refused)
             if refused is not None and refused.get("step") == step:
-                return {"error": refused.get("reason", "refused")}
+                return Failed(str(refused.get("reason", "refused")))
             state = read_trainer_state(self.work)
-            return dataclasses.asdict(state) if state is not None and state.step == step else None
+            return state if state is not None and state.step == step else None
 
         return self._wait_blocking(saved, f"the checkpoint of step {step}", poll_s, timeout_s)
 
@@ -403,34 +510,44 @@ class TrainerChannel:
         state = read_trainer_state(self.work)
         return None if state is None else state.step
 
+    def _read_ready(self) -> dict[str, Any] | Failed | None:
+        payload = read_json(self.work.ready)
+        if payload is not None and "error" in payload:
+            return Failed(str(payload["error"]))
+        return payload
+
     async def _wait(
-        self, read: Callable[[], dict | None], what: str, poll_s: float, timeout_s: float | None
-    ) -> dict:
+        self, read: Callable[[], _A | Failed | None], what: str, poll_s: float, timeout_s: float | None
+    ) -> _A:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while (found := self._poll(read, what, deadline, timeout_s)) is None:
             await asyncio.sleep(poll_s)
         return found
 
     def _wait_blocking(
-        self, read: Callable[[], dict | None], what: str, poll_s: float, timeout_s: float
-    ) -> dict:
+        self, read: Callable[[], _A | Failed | None], what: str, poll_s: float, timeout_s: float
+    ) -> _A:
         deadline = time.monotonic() + timeout_s
         while (found := self._poll(read, what, deadline, timeout_s)) is None:
             time.sleep(poll_s)
         return found
 
     def _poll(
-        self, read: Callable[[], dict | None], what: str, deadline: float | None, timeout_s: float | None
-    ) -> dict | None:
+        self,
+        read: Callable[[], _A | Failed | None],
+        what: str,
+        deadline: float | None,
+        timeout_s: float | None,
+    ) -> _A | None:
         """One look: the answer, None (not yet), or an error (failed, processes gone, past the deadline)."""
         found = read()
         if found is None and self._alive is not None and not self._alive():
             found = read()  # it may have been written just before the exit
             if found is None:
                 raise TrainerFailed(f"the trainer's processes exited while waiting for {what}" + self._tail())
+        if isinstance(found, Failed):
+            raise TrainerFailed(f"{what} failed: {found.error}" + self._tail())
         if found is not None:
-            if "error" in found:
-                raise TrainerFailed(f"{what} failed: {found['error']}" + self._tail())
             return found
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"no answer from the trainer for {what} within {timeout_s} s" + self._tail())

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Trackers:
             name=self.run_name,
             id=self.run_id(),
             dir=str(self.run_root),
-            mode=os.environ.get("WANDB_MODE", "offline"),
+            mode=_wandb_mode(),
             resume="allow",
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
@@ -226,3 +226,12 @@ def _array(values: Sequence[float]) -> Any:
     import numpy as np
 
     return np.asarray(values, dtype=np.float64)
+
+
+def _wandb_mode() -> Literal["online", "offline", "disabled", "shared"]:
+    """``WANDB_MODE`` (offline unless set: compute nodes have no internet), one of the modes W&B knows."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    match mode:
+        case "online" | "offline" | "disabled" | "shared":
+            return mode
+    raise ValueError(f"WANDB_MODE={mode!r}: W&B's modes are online, offline, disabled and shared")

@@ -31,17 +31,11 @@ BACKEND_VAR = "AJET_WEIGHT_SYNC"
 WORKERS_VAR = "AJET_ENGINE_WORKERS"
 
 
-def _source_base():
-    from vllm.distributed.weight_transfer.base import WeightSource
-
-    return WeightSource
-
-
 def zero_source(module: torch.nn.Module, zero3: bool):
     """A vLLM ``WeightSource`` over a DeepSpeed-wrapped module (see the module doc)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
 
-    class ZeroSource(_source_base()):
+    class ZeroSource(WeightSource):
         def __init__(self) -> None:
             self.params = dict(module.named_parameters())  # deduplicated: a tied head is not repeated
             shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self.params.items()}

@@ -4,15 +4,17 @@ Run under torchrun (one node) or srun (several nodes), one process per rank; see
 joins the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
 ``ready.json`` (rank 0), then serves the work dir's inbox (see ``protocol``) until ``stop`` appears.
 
-Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (nothing,
-stop, or the next batch) to all ranks, so all ranks take the same decision at the same time whatever the
-shared file system shows each node, and no rank waits long inside a collective.
+Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (`Found`:
+the next batch, or a `Control`: nothing yet, stop, save) to all ranks, so all ranks take the same decision
+at the same time whatever the shared file system shows each node, and no rank waits long inside a
+collective.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import hashlib
 import logging
 import os
@@ -35,13 +37,28 @@ from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
-from ajet_hpc.trainer.protocol import Batch, WorkDir
+from ajet_hpc.trainer.protocol import Batch, DiskWeights, MemoryWeights, StepResult, WeightHandoff, WorkDir
 from ajet_hpc.trainer.step import train_step
 
 POLL_S = 0.1
 """Seconds between two looks at the inbox (each a small broadcast from rank 0)."""
 
 log = logging.getLogger("ajet_hpc.trainer.worker")
+
+
+class Control(enum.Enum):
+    """What rank 0 found in the work dir's control files when there is no batch to train."""
+
+    WAIT = "wait"
+    """Nothing yet: look again after ``POLL_S``."""
+    STOP = "stop"
+    """The coordinator asked the ranks to exit (or the process that started them is gone)."""
+    SAVE = "save"
+    """The coordinator asked for a checkpoint of the current step (on Slurm's signal)."""
+
+
+Found = Batch | Control
+"""What rank 0 broadcasts after each look at the work dir."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,7 +155,7 @@ class Rank:
                     "device": "cuda" if on_gpu else "cpu",
                     "start_time_s": round(time.monotonic() - started, 3),
                     "pid": os.getpid(),
-                    **({} if weights is None else weights),
+                    **({} if weights is None else weights.to_json()),
                     "weight_sync": "memory" if self.sender is not None else "disk",
                 },
             )
@@ -166,45 +183,19 @@ class Rank:
     def _next_batch(self) -> Batch | None:
         """The next batch (step ``self.step + 1``), or None on stop: rank 0 looks, everyone learns."""
         while True:
-            decision = [self._look() if self.env.rank == 0 else None]
+            decision: list[Found | None] = [look(self.work, self.step) if self.env.rank == 0 else None]
             dist.broadcast_object_list(decision, src=0)
-            if decision[0] == "stop":
-                return None
-            if isinstance(decision[0], Batch):
-                return decision[0]
-            if decision[0] == "save":
-                self._save_on_request()
-                continue
-            time.sleep(POLL_S)
-
-    def _look(self) -> Batch | str | None:
-        """Rank 0: ``"stop"``, the next batch, or None (nothing yet). Batches for later steps get an error
-        result naming the expected step, once each."""
-        request = read_json(self.work.save_request) if self.work.save_request.exists() else None
-        if request is not None:  # before "stop": a save is asked for first, on a signal
-            wanted = request.get("step")
-            state = protocol.read_trainer_state(self.work)
-            if wanted == self.step and (state is None or state.step != self.step):
-                return "save"
-            if wanted != self.step:
-                reason = f"the trainer is at step {self.step}, not {wanted}"
-                log.warning("save request refused: %s", reason)
-                write_json_atomic(self.work.save_refused, {"step": wanted, "reason": reason})
-            self.work.save_request.unlink(missing_ok=True)
-        if self.work.stop.exists():
-            return "stop"
-        if not _parent_alive():
-            log.warning("the process that started the trainer is gone: stopping")
-            return "stop"
-        expected = self.step + 1
-        for step in self.work.pending_steps():
-            if step == expected:
-                return protocol.read_batch(self.work.batch_file(step))
-            if step > expected and not self.work.result_file(step).exists():
-                protocol.write_error(
-                    self.work, step, f"the trainer is at step {self.step} and takes step {expected} next"
-                )
-        return None
+            match decision[0]:
+                case Batch() as batch:
+                    return batch
+                case Control.STOP:
+                    return None
+                case Control.SAVE:
+                    self._save_on_request()
+                case Control.WAIT:
+                    time.sleep(POLL_S)
+                case other:
+                    raise RuntimeError(f"rank 0 broadcast {other!r}, not a batch nor a control")
 
     def _train(self, batch: Batch) -> None:
         if batch.step != self.step + 1:
@@ -224,29 +215,33 @@ class Rank:
             )
             checkpoint_time = time.monotonic() - started
         self.step = batch.step
+        result = StepResult(
+            step=batch.step,
+            loss=metrics["loss"],
+            kl=metrics["kl"],
+            entropy=metrics["entropy"],
+            clip_frac=metrics["clip_frac"],
+            grad_norm=metrics["grad_norm"],
+            tokens=int(metrics["tokens"]),
+            samples=int(metrics["samples"]),
+            step_time_s=round(step_time, 4),
+            export_time_s=round(export_time, 4),
+            checkpoint=batch.save_checkpoint,
+            checkpoint_time_s=round(checkpoint_time, 4),
+            weights=weights,
+        )
         log.info(
             "step %d: loss %.5f, grad_norm %.4g, %d tokens; step %.2f s, export %.2f s, checkpoint %.2f s",
-            batch.step,
-            metrics["loss"],
-            metrics["grad_norm"],
-            metrics["tokens"],
+            result.step,
+            result.loss,
+            result.grad_norm,
+            result.tokens,
             step_time,
             export_time,
             checkpoint_time,
         )
         if rank == 0:
-            protocol.write_result(
-                self.work,
-                batch.step,
-                {
-                    **metrics,
-                    "step_time_s": round(step_time, 4),
-                    "export_time_s": round(export_time, 4),
-                    "checkpoint": batch.save_checkpoint,
-                    "checkpoint_time_s": round(checkpoint_time, 4),
-                    **weights,
-                },
-            )
+            protocol.write_result(self.work, result)
             self.work.batch_file(batch.step).unlink(missing_ok=True)
 
     def _save_on_request(self) -> None:
@@ -275,14 +270,44 @@ class Rank:
             self.models.engine.module, zero3, self.config, self.work.sync, self.env.rank
         )
 
-    def _publish(self, step: int) -> dict:
-        """Hand the engine step ``step``'s weights: sent in memory, or exported for a reload from disk.
-        What the result file says about it."""
+    def _publish(self, step: int) -> WeightHandoff:
+        """Hand the engine step ``step``'s weights: sent in memory, or exported for a reload from disk."""
         if self.sender is not None:
             stats = self.sender.send(step)
-            return {"weights": "memory", "sync_send_s": round(stats.seconds, 4), "sync_bytes": stats.bytes}
-        folder = zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank)
-        return {"weights": "disk", "weights_dir": str(folder)}
+            return MemoryWeights(send_s=round(stats.seconds, 4), bytes=stats.bytes)
+        return DiskWeights(zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank))
+
+
+def look(work: WorkDir, step: int) -> Found:
+    """Rank 0, at step ``step``: what the work dir holds for the ranks. A save request comes first (asked
+    for on a signal, before the stop), then the stop, then the batch of step ``step + 1``. Batches for
+    later steps get an error result naming the expected step, once each; a save request for another step
+    is refused in ``save-refused.json``."""
+    request = read_json(work.save_request) if work.save_request.exists() else None
+    if request is not None:  # before "stop": a save is asked for first, on a signal
+        wanted = request.get("step")
+        state = protocol.read_trainer_state(work)
+        if wanted == step and (state is None or state.step != step):
+            return Control.SAVE
+        if wanted != step:
+            reason = f"the trainer is at step {step}, not {wanted}"
+            log.warning("save request refused: %s", reason)
+            write_json_atomic(work.save_refused, {"step": wanted, "reason": reason})
+        work.save_request.unlink(missing_ok=True)
+    if work.stop.exists():
+        return Control.STOP
+    if not _parent_alive():
+        log.warning("the process that started the trainer is gone: stopping")
+        return Control.STOP
+    expected = step + 1
+    for pending in work.pending_steps():
+        if pending == expected:
+            return protocol.read_batch(work.batch_file(pending))
+        if pending > expected and not work.result_file(pending).exists():
+            protocol.write_error(
+                work, pending, f"the trainer is at step {step} and takes step {expected} next"
+            )
+    return Control.WAIT
 
 
 def export_root(work_dir: Path) -> Path:

@@ -29,6 +29,7 @@ from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
 from ajet_hpc.trainer.protocol import (
+    StepResult,
     TrainerChannel,
     TrainerFailed,
     WorkDir,
@@ -248,7 +249,7 @@ class Ranks:
         self.channel = TrainerChannel(work_dir, alive=lambda: self.proc.poll() is None, log_path=self.log)
         self.ready = run(self.channel.wait_ready(timeout_s=START_TIMEOUT_S))
 
-    def step(self, step: int, samples: list[Sample], save_checkpoint: bool = False) -> dict:
+    def step(self, step: int, samples: list[Sample], save_checkpoint: bool = False) -> StepResult:
         self.channel.submit(step, samples, save_checkpoint)
         return run(self.channel.wait_result(step, timeout_s=STEP_TIMEOUT_S))
 
@@ -264,7 +265,7 @@ class Ranks:
 
 
 def check_against_reference(
-    result: dict, weights_dir: Path, reference: tuple[dict, dict], initial: dict, samples: list[Sample]
+    result: StepResult, weights_dir: Path, reference: tuple[dict, dict], initial: dict, samples: list[Sample]
 ) -> None:
     """The ranks' step equals the one-process step: loss, grad norm, weights and the model's logprobs.
 
@@ -272,9 +273,9 @@ def check_against_reference(
     1e-5 there), by less where ``|g|`` is near ``eps = 1e-8``, and those few depend on the float32 order of
     the gradient's sums (ranks, micro-batches), so they get 5 % of ``lr``."""
     ref_weights, ref_metrics = reference
-    assert result["samples"] == len(samples) and result["tokens"] == sum(sum(s.loss_mask) for s in samples)
-    assert abs(result["loss"] - ref_metrics["loss"]) < 1e-6
-    assert result["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)  # a sum, not a mean
+    assert result.samples == len(samples) and result.tokens == sum(sum(s.loss_mask) for s in samples)
+    assert abs(result.loss - ref_metrics["loss"]) < 1e-6
+    assert result.grad_norm == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)  # a sum, not a mean
     exported = weights_of(weights_dir)
     assert exported.keys() == ref_weights.keys()
     assert max_diff(exported, initial) > LR / 2  # trained
@@ -305,12 +306,12 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     try:
         assert first.ready["step"] == 0 and first.ready["world_size"] == 2
         result1 = first.step(1, batches[0], save_checkpoint=True)
-        assert result1["checkpoint"] is True
-        after_step1 = weights_of(Path(result1["weights_dir"]))
+        assert result1.checkpoint is True
+        after_step1 = weights_of(result1.weights.folder)
         reference = reference_step(tiny_model, batches[0], config)
-        check_against_reference(result1, Path(result1["weights_dir"]), reference, initial, batches[0])
+        check_against_reference(result1, result1.weights.folder, reference, initial, batches[0])
         result2 = first.step(2, batches[1])  # past the checkpoint: lost in the crash below
-        after_step2 = weights_of(Path(result2["weights_dir"]))
+        after_step2 = weights_of(result2.weights.folder)
         assert first.channel.last_checkpoint_step() == 1
         first.kill()
         with pytest.raises(TrainerFailed, match="exited"):
@@ -320,7 +321,7 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
 
     work = WorkDir(tmp_path, export_root=export_root(tmp_path))
     assert work.weights != tmp_path / "weights"  # exports go to node-local storage, not the work dir
-    assert Path(result1["weights_dir"]).parent == work.weights
+    assert result1.weights.folder.parent == work.weights
     shutil.rmtree(work.weights_dir(1))  # the resumed ranks export the checkpoint's weights again
     second = Ranks(tmp_path, tiny_model, config)
     try:
@@ -328,8 +329,8 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
         assert max_diff(weights_of(Path(second.ready["weights_dir"])), after_step1) == 0.0
         again = second.step(2, batches[1])
         for key in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "tokens"):
-            assert again[key] == pytest.approx(result2[key], abs=1e-6), key
-        assert max_diff(weights_of(Path(again["weights_dir"])), after_step2) < 1e-6
+            assert getattr(again, key) == pytest.approx(getattr(result2, key), abs=1e-6), key
+        assert max_diff(weights_of(again.weights.folder), after_step2) < 1e-6
         with pytest.raises(TrainerFailed, match="takes step 3 next"):
             second.channel.submit(5, batches[0])
             run(second.channel.wait_result(5, timeout_s=30))
@@ -337,7 +338,7 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
         assert second.channel.last_checkpoint_step() == 1
         second.channel.request_save(2)
         saved = second.channel.wait_saved_blocking(2, timeout_s=STEP_TIMEOUT_S)
-        assert saved["step"] == 2 and second.channel.last_checkpoint_step() == 2
+        assert saved.step == 2 and second.channel.last_checkpoint_step() == 2
         assert not work.save_request.exists()
         with pytest.raises(TrainerFailed, match="at step 2, not 7"):
             second.channel.request_save(7)
@@ -423,8 +424,8 @@ def test_zero3_trains_and_syncs_weights_into_the_vllm_engine(
         assert ranks.stop() == 0
     finally:
         ranks.kill()
-    weights = Path(result["weights_dir"])
-    assert result["kl"] == pytest.approx(0.0, abs=1e-6) and result["clip_frac"] == 0.0
+    weights = result.weights.folder
+    assert result.kl == pytest.approx(0.0, abs=1e-6) and result.clip_frac == 0.0
     reference = reference_step(tiny_model, batches[0], config)
     check_against_reference(result, weights, reference, weights_of(tiny_model), batches[0])
 

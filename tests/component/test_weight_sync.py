@@ -26,7 +26,7 @@ from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.weight_transfer import STALL_VAR
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, TrainerFailed, WorkDir
+from ajet_hpc.trainer.protocol import DiskWeights, MemoryWeights, TrainerChannel, TrainerFailed, WorkDir
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 pytestmark = pytest.mark.slow
@@ -104,11 +104,11 @@ async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: 
             channel.submit(step, samples)
             result = await channel.wait_result(step, timeout_s=300)
             if not memory:
-                await engine.load_weights(Path(result["weights_dir"]), step)
+                await engine.load_weights(result.weights.folder, step)
             assert engine.policy_version == step
             out = await generate_all(engine, prompt, GREEDY, f"{work.name}-{step}")
             # the disk pass also scores the answer with a transformers forward of the step's weights
-            reference = None if memory else score(Path(result["weights_dir"]), prompt, out.token_ids)
+            reference = None if memory else score(result.weights.folder, prompt, out.token_ids)
             seen.append(
                 {"result": result, "tokens": out.token_ids, "logprobs": out.logprobs, "ref": reference}
             )
@@ -131,8 +131,10 @@ def test_memory_sync_gives_the_engine_what_a_disk_reload_gives(
     loop.run_until_complete(engine.load_weights(model, 0))  # back to the initial weights
     disk = loop.run_until_complete(train(engine, model, tmp_path / "disk", config, memory=False))
     for step, (mem, dsk) in enumerate(zip(memory, disk, strict=True), start=1):
-        assert mem["result"]["weights"] == "memory" and dsk["result"]["weights"] == "disk"
-        assert mem["result"]["sync_bytes"] > 0
+        assert isinstance(mem["result"].weights, MemoryWeights) and isinstance(
+            dsk["result"].weights, DiskWeights
+        )
+        assert mem["result"].weights.bytes > 0
         assert mem["tokens"] == dsk["tokens"], step
         diff = max(abs(a - b) for a, b in zip(mem["logprobs"], dsk["logprobs"], strict=True))
         assert diff <= 1e-4, (step, diff)

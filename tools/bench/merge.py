@@ -223,7 +223,7 @@ def batches(episodes: list[list[Sample]]) -> dict[str, list[Sample]]:
 async def measure(channel: TrainerChannel, step: int, samples: list[Sample]) -> float:
     channel.submit(step, samples)
     result = await channel.wait_result(step, timeout_s=3600)
-    return float(result["step_time_s"])
+    return result.step_time_s
 
 
 def run(args: argparse.Namespace) -> int:

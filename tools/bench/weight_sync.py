@@ -125,12 +125,12 @@ async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bo
             channel.submit(step, batch(step))
             result = await channel.wait_result(step, timeout_s=900)
             if memory:
-                rows.append({"sync_s": result["sync_send_s"], "pause_s": engine.last_pause_s})
+                rows.append({"sync_s": result.weights.send_s, "pause_s": engine.last_pause_s})
             else:
                 started = time.monotonic()
-                await engine.load_weights(Path(result["weights_dir"]), step)
+                await engine.load_weights(result.weights.folder, step)
                 reload_s = time.monotonic() - started
-                rows.append({"sync_s": result["export_time_s"] + reload_s, "pause_s": reload_s})
+                rows.append({"sync_s": result.export_time_s + reload_s, "pause_s": reload_s})
             print(
                 f"  {'memory' if memory else 'disk  '} sync {step}: {rows[-1]['sync_s']:.3f} s "
                 f"(generation paused {rows[-1]['pause_s']:.3f} s)",
