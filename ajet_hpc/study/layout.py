@@ -81,12 +81,15 @@ class StudyDir:
 
     # --- events ----------------------------------------------------------------------------------------
     def event(self, kind: str, trial: int | None = None, **fields: Any) -> dict[str, Any]:
-        """Append one decision to ``events.jsonl`` (one write of one line: rows never interleave)."""
+        """Append one decision to ``events.jsonl`` (one O_APPEND write per row: rows never interleave)."""
         row = {"time": round(time.time(), 3), "event": kind, "trial": trial, **fields}
         self.root.mkdir(parents=True, exist_ok=True)
         data = (json.dumps(row, default=str) + "\n").encode()
-        fd = os.open(self.events_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(self.events_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":  # a row cut by a crash: start a new line
+                data = b"\n" + data
             os.write(fd, data)
         finally:
             os.close(fd)
