@@ -9,6 +9,7 @@ this Slurm job before its requeue is gone), and the supervisor resumes from the 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,22 @@ class SupervisorJob(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         from ajet_hpc.logging_setup import setup_logging
         from ajet_hpc.study.cli import frozen_spec
-        from ajet_hpc.study.supervisor import Supervisor
+        from ajet_hpc.study.supervisor import LEASE_TIMING, Supervisor
 
         setup_logging()
         os.chdir(self.cwd)
+        signal.signal(signal.SIGTERM, _interrupt)  # scancel: release the lease on the way out
         study_dir = StudyDir(Path(self.study_root))
-        code = Supervisor(frozen_spec(study_dir), study_dir, cwd=Path(self.cwd)).run()
+        supervisor = Supervisor(frozen_spec(study_dir), study_dir, cwd=Path(self.cwd))
+        # a requeued or resubmitted job may start before the killed one's lease has gone stale
+        code = supervisor.run(wait_for_lease_s=2 * LEASE_TIMING.timeout_s)
         if code:
             raise RuntimeError(f"the study supervisor stopped (code {code}): see {study_dir.events_file}")
         return code
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def parameters(spec: StudySpec, study_dir: StudyDir) -> dict[str, Any]:

@@ -233,9 +233,20 @@ class Supervisor:
     def on_lease_lost(self) -> None:
         self.lost = "the supervisor lease was taken over by another process"
 
-    def run(self, max_passes: int | None = None) -> int:
-        """Hold the lease and pass until the study is over (0), the lease is lost or Ctrl-C (1)."""
-        lease = take_lease(self.study_dir, self.on_lease_lost)
+    def run(self, max_passes: int | None = None, wait_for_lease_s: float = 0.0) -> int:
+        """Hold the lease and pass until the study is over (0), the lease is lost or Ctrl-C (1).
+
+        ``wait_for_lease_s``: how long to wait for a holder's lease to go stale (a supervisor job killed on
+        another node leaves its lease until its heartbeat times out) before giving up."""
+        deadline = time.monotonic() + wait_for_lease_s
+        while True:
+            try:
+                lease = take_lease(self.study_dir, self.on_lease_lost)
+                break
+            except SupervisorRunning:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(5.0)
         where = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
         self.study_dir.event("supervisor_started", **where)
         passes = 0

@@ -76,7 +76,7 @@ def search_state(name: str):
 
 
 def test_report_writes_markdown_and_real_pngs(tmp_path: Path, capsys) -> None:
-    spec, study_dir = synthetic_study(tmp_path)
+    _spec, study_dir = synthetic_study(tmp_path)
     assert main([str(study_dir.root), "report", "--colour-by", MODE]) == 0
     report = study_dir.report_dir / "report.md"
     text = report.read_text()
@@ -84,7 +84,7 @@ def test_report_writes_markdown_and_real_pngs(tmp_path: Path, capsys) -> None:
     assert f"`{LR}` = `0.003`" in best and f"`{MODE}` = `tree`" in best
     assert "±" in best and "over 2 seed(s)" in best
     table = text.split("## Configurations", 1)[1].split("## Trials", 1)[0]
-    first_row = [line for line in table.splitlines() if line.startswith("| 1 |")][0]
+    first_row = next(line for line in table.splitlines() if line.startswith("| 1 |"))
     assert "lr=0.003" in first_row and "mode=tree" in first_row
     assert "pruned" in text and "out of memory" in text and "relaunched" in text
     pngs = sorted(study_dir.report_dir.glob("*.png"))
@@ -98,7 +98,7 @@ def test_report_writes_markdown_and_real_pngs(tmp_path: Path, capsys) -> None:
 
 
 def test_status_is_one_screen(tmp_path: Path, capsys) -> None:
-    spec, study_dir = synthetic_study(tmp_path)
+    _spec, study_dir = synthetic_study(tmp_path)
     capsys.readouterr()
     assert main([str(study_dir.root), "status"]) == 0
     out = capsys.readouterr().out
