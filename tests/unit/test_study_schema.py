@@ -101,3 +101,11 @@ def test_non_grid_space_needs_a_budget(tmp_path) -> None:
         load_study(study_file(tmp_path, space=space))
     spec, _ = load_study(study_file(tmp_path, space=space, max_trials=4))
     assert not spec.is_grid and spec.trial_budget() == 4
+
+
+def test_without_optuna_the_command_names_the_extra(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "optuna", None)  # import optuna -> ImportError
+    assert main([str(study_file(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "ajet_hpc[study]" in err and "Optuna" in err
+    assert not (tmp_path / "study").exists()
