@@ -147,15 +147,19 @@ def plot_curves(views: list[TrialView], spec: StudySpec, colour: str, path: Path
             continue
         value = v.params.get(colour)
         style = {"complete": "-", "pruned": ":", "failed": "--"}.get(v.state, "-.")
-        label = None if value in labelled else f"{colour.rsplit('.', 1)[-1]}={value}"
         labelled.add(value)
-        ax.plot(steps, values, style, color=colours[value], label=label, alpha=0.85)
+        ax.plot(steps, values, style, color=colours[value], alpha=0.85)
         ax.annotate(str(v.number), (steps[-1], values[-1]), fontsize=7, color=colours[value])
     ax.set_xlabel("step")
     ax.set_ylabel(spec.metric.name)
     ax.set_title(f"{spec.metric.name} per trial (dotted: pruned, dashed: failed)")
-    if labelled:
-        ax.legend(fontsize=8)
+    if labelled:  # one solid line per value, whatever the state of the trial drawn first
+        from matplotlib.lines import Line2D
+
+        name = colour.rsplit(".", 1)[-1]
+        order = sorted(labelled, key=lambda v: (isinstance(v, str), v))
+        handles = [Line2D([], [], color=colours[v], label=f"{name}={v}") for v in order]
+        ax.legend(handles=handles, fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -61,7 +61,8 @@ def trial_views(spec: StudySpec, study_dir: StudyDir) -> list[TrialView]:
 
 def short_params(params: dict[str, Any]) -> str:
     """``lr=0.003 mode=tree seed=1``: each path's last segment, for one line of a table."""
-    return " ".join(f"{path.rsplit('.', 1)[-1]}={_short(value)}" for path, value in params.items())
+    ordered = sorted(params.items(), key=lambda item: item[0] == SEED_PARAM)  # the seed last
+    return " ".join(f"{path.rsplit('.', 1)[-1]}={_short(value)}" for path, value in ordered)
 
 
 def _short(value: Any) -> str:
