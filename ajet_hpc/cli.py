@@ -28,6 +28,7 @@ COMMANDS: dict[str, Command] = {
     "logs": Command("ajet_hpc.logs", "print (or follow, -f) the logs of a run's jobs"),
     "cancel": Command("ajet_hpc.cancel", "stop every job of a run"),
     "inspect": Command("ajet_hpc.inspect.cli", "read a run offline: steps, episodes, conversations, exports"),
+    "study": Command("ajet_hpc.study.cli", "many runs over a search space, supervised; status and report"),
 }
 PROG = "ajet-hpc"
 

@@ -1,0 +1,212 @@
+"""The study acceptance on the Slurm dev cluster: a 6-trial study (agent × 3 seeds), 2 at a time,
+successive halving, its supervisor a CPU Slurm job (--slurm). One trial's server is scancelled past its rung
+(relaunched, completes); the supervisor job is scancelled once and the study command resumes it without
+starting any trial twice; a trial of the bad agent is pruned and its jobs are gone. Then the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ajet_hpc.client.api import EpisodeContext
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
+REPO = Path(__file__).resolve().parents[2]
+GOOD = "ajet_hpc.agents.arithmetic:solve"
+BAD = "tests.cluster.test_study:penalized_arithmetic"
+STEPS = 6
+
+
+def penalized_arithmetic(ctx: EpisodeContext) -> float:
+    """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
+    from ajet_hpc.agents.arithmetic import solve
+
+    return solve(ctx) - 1.0
+
+
+def _good_first_seed() -> int:
+    """A grid order with the good agent among the first two trials and the bad one among the last four."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for seed in range(50):
+        sampler = optuna.samplers.GridSampler({"a": [GOOD, BAD], "seed": [1, 2, 3]}, seed=seed)
+        study = optuna.create_study(sampler=sampler)
+        order = []
+        for _ in range(6):
+            trial = study.ask()
+            order.append(trial.suggest_categorical("a", [GOOD, BAD]))
+            trial.suggest_categorical("seed", [1, 2, 3])
+        if GOOD in order[:2] and BAD in order[2:]:
+            return seed
+    raise AssertionError("no sampler seed gives that order")
+
+
+def _study_file(tmp_path: Path) -> Path:
+    data = {
+        "name": "cluster",
+        "base": str(REPO / "configs" / "quickstart.yaml"),
+        "dir": str(tmp_path / "study"),
+        "overrides": [
+            "cluster.backend=slurm",
+            "servers.policy.engine=transformers",
+            "servers.policy.trainer.ranks=1",
+            f"servers.policy.trainer.total_steps={STEPS}",
+            "servers.policy.trainer.tasks_per_batch=4",
+            "servers.policy.trainer.repeats=4",
+            "servers.policy.trainer.save_every=1",
+            "clients.math.array=1",
+        ],
+        "space": {"clients.math.agent": [GOOD, BAD]},
+        "seeds": [1, 2, 3],
+        "seed_path": "servers.policy.trainer.seed",
+        "sampler_seed": _good_first_seed(),
+        "max_concurrent": 2,
+        "metric": {"window": 2},
+        "pruner": {"kind": "successive_halving", "min_resource": 2, "reduction_factor": 4},
+        "max_relaunches": 2,
+        "stall_after": 600,
+        "poll_s": 3,
+        "supervisor": {"partition": "cpu", "time": "0:30:00", "cpus": 1, "mem": "1G"},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _study_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "ajet_hpc.study", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _events(study_dir: Path) -> list[dict]:
+    path = study_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _journal(study_dir: Path, name: str):
+    """The study as Optuna's journal has it now."""
+    import optuna
+
+    from ajet_hpc.study.layout import StudyDir
+    from ajet_hpc.study.search import storage
+
+    return optuna.load_study(study_name=name, storage=storage(StudyDir(study_dir)))
+
+
+def _steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
+
+
+def test_study_on_dev_cluster(tmp_path: Path) -> None:
+    from support import wait_until
+
+    from ajet_hpc.launch import registry, slurmcli
+    from ajet_hpc.launch.control import task_states
+    from ajet_hpc.storage.atomic import read_json
+    from ajet_hpc.storage.rundir import RunDir
+    from ajet_hpc.study.cli import open_study_dir
+    from ajet_hpc.study.search import load_study
+
+    study_dir = tmp_path / "study"
+    done = _study_cmd(str(_study_file(tmp_path)), "--slurm")
+    assert done.returncode == 0 and "Slurm job" in done.stdout, done.stdout + done.stderr
+    try:
+        # the supervisor job is scancelled once both first trials are launched; the command resumes it
+        wait_until(lambda: sum(e["event"] == "launched" for e in _events(study_dir)) >= 2, 300, "2 launches")
+        first_job = read_json(study_dir / "supervisor.json")["job_id"]
+        slurmcli.cancel([first_job])
+        wait_until(
+            lambda: not any(s.state in slurmcli.ACTIVE_STATES for s in slurmcli.job_states([first_job])),
+            120,
+            "the supervisor job to end",
+        )
+        again = _study_cmd(str(study_dir), "--slurm")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert read_json(study_dir / "supervisor.json")["job_id"] != first_job
+
+        # a good trial past its rung: its server job is scancelled; the supervisor relaunches it
+        def good_past_rung() -> int | None:
+            """A good trial still running that successive halving promoted past its rung (step 2), with
+            steps left to train after a kill."""
+            for trial in _journal(study_dir, "cluster").get_trials(deepcopy=False):
+                if (
+                    trial.state.name == "RUNNING"
+                    and trial.params.get("clients.math.agent") == GOOD
+                    and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
+                    and _steps(study_dir / "trials" / f"{trial.number:04d}") <= STEPS - 2
+                ):
+                    return trial.number
+            return None
+
+        victim = wait_until(good_past_rung, 900, "a good trial at step 3-4")
+        run = RunDir(study_dir / "trials" / f"{victim:04d}")
+        slurmcli.cancel([registry.latest(run)["server-policy"].job_id])
+
+        wait_until(
+            lambda: any(e["event"] == "study_finished" for e in _events(study_dir)), 2400, "the study to end"
+        )
+    finally:
+        ids = [(read_json(study_dir / "supervisor.json") or {}).get("job_id")]
+        for run_dir in (study_dir / "trials").glob("[0-9][0-9][0-9][0-9]"):
+            ids += [job.job_id for job in registry.load(RunDir(run_dir))]
+        subprocess.run(["scancel", *[i for i in ids if i]], check=False, capture_output=True)
+
+    events = _events(study_dir)
+    started = Counter(e["trial"] for e in events if e["event"] == "started")
+    assert sorted(started) == list(range(6)) and set(started.values()) == {1}, events  # none started twice
+    fresh = Counter(e["trial"] for e in events if e["event"] == "launched" and not e["resume"])
+    assert set(fresh.values()) == {1}, events
+    assert sum(e["event"] == "supervisor_started" for e in events) >= 2
+    relaunched = [e for e in events if e["event"] == "relaunched"]
+    assert victim in [e["trial"] for e in relaunched], events
+
+    spec, sdir = open_study_dir(study_dir)
+    trials = {t.number: t for t in load_study(spec, sdir).get_trials()}  # the Optuna journal
+    assert len(trials) == 6
+    assert trials[victim].state.name == "COMPLETE" and _steps(run.root) == STEPS
+    pruned = [n for n, t in trials.items() if t.state.name == "PRUNED"]
+    assert pruned, events
+    assert any(trials[n].params["clients.math.agent"] == BAD for n in pruned), events
+    for n in pruned:
+        pruned_run = RunDir(study_dir / "trials" / f"{n:04d}")
+        wait_until(
+            lambda r=pruned_run: (
+                not any(s.active for j in registry.latest(r).values() for s in task_states(j))
+            ),
+            120,
+            f"the jobs of pruned trial {n} to be gone",
+        )
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials.values()), events
+
+    report = _study_cmd(str(study_dir), "report")
+    assert report.returncode == 0, report.stderr
+    text = (study_dir / "report" / "report.md").read_text()
+    assert "## Best configuration" in text and "## Events" in text and "relaunched" in text
+    from PIL import Image
+
+    pngs = sorted((study_dir / "report").glob("*.png"))
+    assert len(pngs) == 3
+    for png in pngs:
+        with Image.open(png) as image:
+            assert image.size[0] > 100 and image.getextrema() != ((255, 255), (255, 255), (255, 255))

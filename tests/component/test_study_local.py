@@ -1,0 +1,221 @@
+"""A tiny real study on the local backend: 4 trials (agent × 2 seeds) of 6 steps, 2 at a time, successive
+halving. During it the supervisor is killed and started again (no trial starts twice), one trial's server
+is killed after its rung (the supervisor relaunches it and it completes), and a trial of the bad agent is
+pruned (its processes gone). The report is written from the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ajet_hpc.client.api import EpisodeContext
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+GOOD = "ajet_hpc.agents.arithmetic:solve"
+BAD = "tests.component.test_study_local:penalized_arithmetic"
+
+
+def penalized_arithmetic(ctx: EpisodeContext) -> float:
+    """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
+    from ajet_hpc.agents.arithmetic import solve
+
+    return solve(ctx) - 1.0
+
+
+def _study_file(tmp_path: Path) -> Path:
+    data = {
+        "name": "local",
+        "base": str(REPO / "configs" / "quickstart.yaml"),
+        "dir": str(tmp_path / "study"),
+        "overrides": [
+            "servers.policy.engine=transformers",
+            "servers.policy.trainer.ranks=1",
+            "servers.policy.trainer.total_steps=6",
+            "servers.policy.trainer.tasks_per_batch=4",
+            "servers.policy.trainer.repeats=4",
+            "servers.policy.trainer.save_every=1",
+            "clients.math.array=1",
+        ],
+        "space": {"clients.math.agent": [GOOD, BAD]},
+        "seeds": [1, 2],
+        "seed_path": "servers.policy.trainer.seed",
+        "sampler_seed": _good_first_seed(),
+        "max_concurrent": 2,
+        "metric": {"window": 2},
+        "pruner": {"kind": "successive_halving", "min_resource": 2, "reduction_factor": 4},  # one rung: 2
+        "max_relaunches": 2,
+        "stall_after": 300,
+        "poll_s": 1,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _good_first_seed() -> int:
+    """A grid order with the good agent among the first two trials and the bad one among the last two:
+    a bad trial then reaches its rung after a good one did, and successive halving prunes it."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for seed in range(50):
+        sampler = optuna.samplers.GridSampler({"a": [GOOD, BAD], "seed": [1, 2]}, seed=seed)
+        study = optuna.create_study(sampler=sampler)
+        order = []
+        for _ in range(4):
+            trial = study.ask()
+            order.append(trial.suggest_categorical("a", [GOOD, BAD]))
+            trial.suggest_categorical("seed", [1, 2])
+        if GOOD in order[:2] and BAD in order[2:]:
+            return seed
+    raise AssertionError("no sampler seed gives that order")
+
+
+def _supervisor(study: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ajet_hpc.study", str(study)],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _events(study_dir: Path) -> list[dict]:
+    path = study_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the supervisor exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def _journal(study_dir: Path, name: str):
+    """The study as Optuna's journal has it now."""
+    import optuna
+
+    from ajet_hpc.study.layout import StudyDir
+    from ajet_hpc.study.search import storage
+
+    return optuna.load_study(study_name=name, storage=storage(StudyDir(study_dir)))
+
+
+def _steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
+
+
+def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
+    from ajet_hpc.launch import registry
+    from ajet_hpc.launch.control import task_states
+    from ajet_hpc.process_tree import kill_tree
+    from ajet_hpc.storage.rundir import RunDir
+    from ajet_hpc.study.cli import main as study_main
+    from ajet_hpc.study.cli import open_study_dir
+    from ajet_hpc.study.search import load_study
+
+    spec_file = _study_file(tmp_path)
+    study_dir = tmp_path / "study"
+    log = tmp_path / "supervisor.log"
+    first = _supervisor(spec_file, log)
+    try:
+        # 1. the supervisor is killed once both first trials are launched; started again, it goes on
+        _wait(
+            lambda: sum(e["event"] == "launched" for e in _events(study_dir)) >= 2, 120, "2 launches", first
+        )
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        second = _supervisor(study_dir, log)
+
+        # 2. a trial of the good agent past its rung (step >= 3, still running): its server is killed
+        def good_past_rung() -> int | None:
+            """A good trial still running that successive halving promoted past its rung (step 2), with
+            steps left to train after a kill."""
+            for trial in _journal(study_dir, "local").get_trials(deepcopy=False):
+                if (
+                    trial.state.name == "RUNNING"
+                    and trial.params.get("clients.math.agent") == GOOD
+                    and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
+                    and _steps(study_dir / "trials" / f"{trial.number:04d}") <= 4
+                ):
+                    return trial.number
+            return None
+
+        victim = _wait(good_past_rung, 150, "a good trial at step 3-4", second)
+        run = RunDir(study_dir / "trials" / f"{victim:04d}")
+        server = registry.latest(run)["server-policy"]
+        kill_tree(int(server.job_id))
+
+        assert second.wait(240) == 0, log.read_text()[-3000:]
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for run_dir in (study_dir / "trials").glob("[0-9][0-9][0-9][0-9]"):
+            for job in registry.latest(RunDir(run_dir)).values():
+                kill_tree(int(job.job_id))
+
+    events = _events(study_dir)
+    kinds = Counter(e["event"] for e in events)
+    started = Counter(e["trial"] for e in events if e["event"] == "started")
+    assert sorted(started) == [0, 1, 2, 3] and set(started.values()) == {1}, events  # none started twice
+    fresh = Counter(e["trial"] for e in events if e["event"] == "launched" and not e["resume"])
+    assert set(fresh.values()) == {1}, events
+    assert kinds["supervisor_started"] == 2 and kinds["study_finished"] == 1
+
+    relaunched = [e for e in events if e["event"] == "relaunched"]
+    assert [e["trial"] for e in relaunched] == [victim], events
+    assert "server-policy" in relaunched[0]["reason"]
+    spec, sdir = open_study_dir(study_dir)
+    trials = {t.number: t for t in load_study(spec, sdir).get_trials()}
+    assert len(trials) == 4
+    assert trials[victim].state.name == "COMPLETE" and _steps(run.root) == 6
+    submissions = [j for j in registry.load(run) if j.name == "server-policy"]
+    assert len(submissions) == 2  # the first server, and the relaunch
+
+    pruned = [n for n, t in trials.items() if t.state.name == "PRUNED"]
+    assert pruned, events
+    assert any(trials[n].params["clients.math.agent"] == BAD for n in pruned), events
+    for n in pruned:
+        pruned_run = RunDir(study_dir / "trials" / f"{n:04d}")
+
+        def gone(r=pruned_run) -> bool:
+            return not any(s.active for job in registry.latest(r).values() for s in task_states(job))
+
+        _wait(gone, 60, f"the processes of pruned trial {n} to stop")
+        assert _steps(pruned_run.root) < 6
+    for n, t in trials.items():
+        if n not in pruned:
+            assert t.state.name == "COMPLETE", (n, t.state, events)
+
+    assert study_main([str(study_dir), "report"]) == 0
+    report = (study_dir / "report" / "report.md").read_text()
+    assert "## Best configuration" in report and GOOD in report.split("## Configurations")[0]
+    from PIL import Image
+
+    for png in (study_dir / "report").glob("*.png"):
+        with Image.open(png) as image:
+            assert image.size[0] > 100 and image.getextrema() != ((255, 255), (255, 255), (255, 255))
