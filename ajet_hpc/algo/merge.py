@@ -372,7 +372,7 @@ def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Sn
     n = len(sample.token_ids)
     if exact:
         if any(any(target.loss_mask[a:b]) for a, b in candidate.runs):
-            return Snap(sample.episode_id, _first(sample.calls), _first(target.calls), DUPLICATE, n)
+            return Snap(sample.episode_id, _own_call(sample.calls), _first(target.calls), DUPLICATE, n)
         target.own()
         for a, b in candidate.runs:
             target.loss_mask[a:b] = [1] * (b - a)
@@ -385,7 +385,7 @@ def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Sn
         target.policy_version = min(target.policy_version, sample.policy_version)
         return None
     if any(target.loss_mask[:cut]):  # the replaced tokens would carry loss of another call
-        return Snap(sample.episode_id, _first(sample.calls), _first(target.calls), DUPLICATE, n)
+        return Snap(sample.episode_id, _own_call(sample.calls), _first(target.calls), DUPLICATE, n)
     target.own()
     weights, into = token_weights(sample), _first(target.calls)
     target.token_ids = list(sample.token_ids) + target.token_ids[cut:]
@@ -395,11 +395,18 @@ def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Sn
     target.weights = weights + target.weights[cut:]
     target.calls.extend(sample.calls)
     target.policy_version = min(target.policy_version, sample.policy_version)
-    return Snap(sample.episode_id, _first(sample.calls), into, TEXT_TRUSTED, n)
+    return Snap(sample.episode_id, _own_call(sample.calls), into, TEXT_TRUSTED, n)
 
 
 def _first(calls: Sequence[int]) -> int | None:
     return min(calls) if calls else None
+
+
+def _own_call(calls: Sequence[int]) -> int:
+    """The call a merge candidate stands for (a per-call sample always names its call)."""
+    if not calls:
+        raise ValueError("a merge candidate names no call: per-call samples carry their call's index")
+    return min(calls)
 
 
 def pack_tree(samples: Sequence[Sample]) -> Sample:

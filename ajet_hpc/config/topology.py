@@ -377,13 +377,6 @@ class StoreConfig(BaseModel):
         description="Most records (episodes, training steps) committed as one group.",
     )
 
-    def recorder_settings(self) -> dict[str, float | int]:
-        """The keyword arguments of ``ajet_hpc.server.recorder.EpisodeRecorder``."""
-        return {
-            "commit_interval_ms": self.commit_interval_ms,
-            "commit_max_episodes": self.commit_max_episodes,
-        }
-
 
 class ServerConfig(BaseModel):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""

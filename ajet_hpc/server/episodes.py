@@ -26,7 +26,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from transformers import PreTrainedTokenizerBase
 
@@ -37,7 +37,10 @@ from ajet_hpc.tracking.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-OPEN, FINISHED, ABORTED, DROPPED = "open", "finished", "aborted", "dropped"
+OPEN: Final = "open"
+FINISHED: Final = "finished"
+ABORTED: Final = "aborted"
+DROPPED: Final = "dropped"
 
 Key = tuple[str, str, int]
 """(client group, task id, repeat): what a client runs once and the trainer trains once."""
@@ -126,6 +129,13 @@ class Episode:
         if self.tracker is None:
             return self.stored_timelines or []
         return self.tracker.timelines
+
+    @property
+    def live_tracker(self) -> ContextTracker:
+        """The tracker of an episode that takes calls (one restored from the store has none)."""
+        if self.tracker is None:
+            raise Conflict(f"episode {self.episode_id} was restored from the store and takes no calls")
+        return self.tracker
 
     @property
     def key(self) -> Key | None:
@@ -395,8 +405,9 @@ class EpisodeRegistry:
         self._whole_order.append(episode.episode_id)
         while len(self._whole_order) > self._keep_whole:  # the sinks hold the whole ones they still need
             older = self._whole_order.popleft()
-            if isinstance(self._closed.get(older), Episode):
-                self._closed[older] = ClosedEpisode.of(self._closed[older])
+            whole = self._closed.get(older)
+            if isinstance(whole, Episode):
+                self._closed[older] = ClosedEpisode.of(whole)
         while len(self._closed_order) > self._keep_closed:
             self._closed.pop(self._closed_order.popleft(), None)
         self.counts[OPEN] -= 1

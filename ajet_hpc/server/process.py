@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -296,7 +297,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         public_url=f"{scheme}://{host}:{port}",
     )
     store = config.store  # group commit: episodes ending together share one fsync (docs/storage.md)
-    ctx.attach_recorder(EpisodeRecorder(run.data_dir / f"{config.name}.h5", **store.recorder_settings()))
+    ctx.attach_recorder(EpisodeRecorder.from_config(run.data_dir / f"{config.name}.h5", store))
     stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
     restored = ctx.episodes.restore_ended(stored)
     if restored:
@@ -321,7 +322,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             access_log=False,
             ssl_certfile=tls.tls_certfile,
             ssl_keyfile=tls.tls_keyfile,
-            timeout_keep_alive=config.serving.keep_alive_s,
+            timeout_keep_alive=math.ceil(config.serving.keep_alive_s),  # whole seconds for uvicorn
         )
     )
     record = rendezvous.Rendezvous(
@@ -342,16 +343,18 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             for name in partners
         )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
-    ctx.on_finished = lambda: (
-        preemption.work_over("training is complete"),
-        heartbeat.try_beat(),
-        _stop_when_idle(ctx, server),
-    )
-    ctx.on_failed = lambda: (
-        preemption.work_over("the server failed"),
-        heartbeat.try_beat(),
-        _stop_when_idle(ctx, server, grace_s=5.0),
-    )
+
+    def on_finished() -> None:
+        preemption.work_over("training is complete")
+        heartbeat.try_beat()
+        _stop_when_idle(ctx, server)
+
+    def on_failed() -> None:
+        preemption.work_over("the server failed")
+        heartbeat.try_beat()
+        _stop_when_idle(ctx, server, grace_s=5.0)
+
+    ctx.on_finished, ctx.on_failed = on_finished, on_failed
     heartbeat.start()
     # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
     cluster = topology.cluster

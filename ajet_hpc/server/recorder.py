@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ajet_hpc.config.topology import StoreConfig
 from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRecord, UnstorableRecord
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ class _Closed:
 
 class EpisodeRecorder:
     """The store's writer thread: records in, commit groups out (see the module's docstring)."""
+
+    @classmethod
+    def from_config(cls, path: Path, store: StoreConfig) -> EpisodeRecorder:
+        """The recorder of a server's ``store:`` section (group commit bounds)."""
+        return cls(
+            path, commit_interval_ms=store.commit_interval_ms, commit_max_episodes=store.commit_max_episodes
+        )
 
     def __init__(
         self, path: Path, *, commit_interval_ms: float = COMMIT_INTERVAL_MS, commit_max_episodes: int = 64

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
@@ -27,6 +27,9 @@ from ajet_hpc.tracking.context import PromptPlan
 from ajet_hpc.tracking.timeline import USER
 
 log = logging.getLogger(__name__)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass
@@ -44,7 +47,14 @@ class Answer:
 class Finished:
     content: str | None
     tool_calls: list[p.ToolCall]
-    finish_reason: str
+    finish_reason: FinishReason
+
+
+def _one_text(decoded: str | list[str]) -> str:
+    """``tokenizer.decode`` of one sequence (typed ``str | list[str]``: a list only for a batch)."""
+    if not isinstance(decoded, str):
+        raise TypeError(f"decode of one sequence gave {type(decoded).__name__}, not text")
+    return decoded
 
 
 class Service:
@@ -104,9 +114,9 @@ class Service:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         try:
             if _heavy(messages, tools):  # off the event loop: /health and other calls go on meanwhile
-                plan = await asyncio.to_thread(episode.tracker.build_prompt, messages, tools)
+                plan = await asyncio.to_thread(episode.live_tracker.build_prompt, messages, tools)
             else:  # inline: for a small prompt a thread hop costs more than it saves (tools/bench/README.md)
-                plan = episode.tracker.build_prompt(messages, tools)
+                plan = episode.live_tracker.build_prompt(messages, tools)
         except (TemplateError, TypeError, ValueError) as exc:
             raise BadRequest(f"the model's chat template cannot render these messages: {exc}") from exc
         self._check_length(len(plan.prompt_ids))
@@ -125,7 +135,7 @@ class Service:
                 raise BadRequest(
                     f"prompt holds token ids outside the vocabulary (0..{vocab - 1})", param="prompt"
                 )
-            ids, text = list(request.prompt), tokenizer.decode(request.prompt)
+            ids, text = list(request.prompt), _one_text(tokenizer.decode(request.prompt))
         self._check_length(len(ids))
         return PromptPlan(
             prompt_ids=ids,
@@ -197,13 +207,13 @@ class Service:
 
     def text_of(self, answer: Answer, stops: list[str]) -> tuple[str, bool]:
         """The answer's text without special tokens, cut before the first stop string (and whether cut)."""
-        text = self.engine.tokenizer.decode(answer.ids, skip_special_tokens=True)
+        text = _one_text(self.engine.tokenizer.decode(answer.ids, skip_special_tokens=True))
         cuts = [text.find(stop) for stop in stops if stop in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
     def finish(self, answer: Answer, stops: list[str], tools_allowed: bool) -> Finished:
         text, cut = self.text_of(answer, stops)
-        reason = "stop" if cut or answer.finish in ("stop", "abort") else "length"
+        reason: FinishReason = "stop" if cut or answer.finish in ("stop", "abort") else "length"
         if not tools_allowed:
             return Finished(text, [], reason)
         parsed = self.parse(text)
@@ -220,14 +230,14 @@ class Service:
         reply: dict[str, Any] = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             reply["tool_calls"] = [call.model_dump() for call in done.tool_calls]
-        episode.tracker.record(plan, answer.ids, answer.logprobs, reply, done.finish_reason, version)
+        episode.live_tracker.record(plan, answer.ids, answer.logprobs, reply, done.finish_reason, version)
 
     def logprobs_of(self, answer: Answer, start: int = 0, end: int | None = None) -> p.ChoiceLogprobs:
         tokenizer = self.engine.tokenizer
         ids, values = answer.ids[start:end], answer.logprobs[start:end]
         return p.ChoiceLogprobs(
             content=[
-                p.TokenLogprob(token=tokenizer.decode([t]), logprob=v)
+                p.TokenLogprob(token=_one_text(tokenizer.decode([t])), logprob=v)
                 for t, v in zip(ids, values, strict=True)
             ]
         )
@@ -358,7 +368,9 @@ class Service:
             self.record(episode, plan, answer, done, version)
             choices.append(
                 p.CompletionChoice(
-                    index=answer.index, text=done.content or "", finish_reason=done.finish_reason
+                    index=answer.index,
+                    text=done.content or "",
+                    finish_reason="stop" if done.finish_reason == "stop" else "length",  # no tools here
                 )
             )
         self.served += 1

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,13 @@ def read_json(path: Path) -> Any | None:
         return None
 
 
-def append_jsonl(path: Path, row: Any, sort_keys: bool = False) -> None:
+def append_jsonl(
+    path: Path, row: Any, sort_keys: bool = False, default: Callable[[Any], Any] | None = None
+) -> None:
     """Append ``row`` as one JSON line, durable on return. A last line torn by a crash (no newline) is
-    closed off first, so that this row stays whole; ``read_jsonl`` skips the torn one."""
-    line = json.dumps(row, sort_keys=sort_keys, separators=(",", ":")).encode() + b"\n"
+    closed off first, so that this row stays whole; ``read_jsonl`` skips the torn one. ``default``: as
+    for ``json.dumps`` (e.g. ``str`` for paths in a log row)."""
+    line = json.dumps(row, sort_keys=sort_keys, separators=(",", ":"), default=default).encode() + b"\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab") as handle:
         if handle.tell() and not _ends_with_newline(path):

@@ -16,9 +16,9 @@ from pathlib import Path
 from ajet_hpc.config import ConfigError
 from ajet_hpc.config.load import _read_mapping
 from ajet_hpc.config.yaml_io import to_yaml
-from ajet_hpc.launch import slurmcli
 from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.storage.atomic import write_bytes_atomic
+from ajet_hpc.slurm import slurmcli
+from ajet_hpc.storage.files import write_bytes_atomic
 from ajet_hpc.study.layout import StudyDir
 from ajet_hpc.study.schema import StudySpec, load_study
 from ajet_hpc.study.search import OptunaMissing, require_optuna

@@ -16,14 +16,12 @@ Layout (docs/study.md)::
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.storage.files import append_jsonl, read_json, read_jsonl, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -81,27 +79,10 @@ class StudyDir:
 
     # --- events ----------------------------------------------------------------------------------------
     def event(self, kind: str, trial: int | None = None, **fields: Any) -> dict[str, Any]:
-        """Append one decision to ``events.jsonl`` (one O_APPEND write per row: rows never interleave)."""
+        """Append one decision to ``events.jsonl`` (durable on return; a row cut by a crash is closed off)."""
         row = {"time": round(time.time(), 3), "event": kind, "trial": trial, **fields}
-        self.root.mkdir(parents=True, exist_ok=True)
-        data = (json.dumps(row, default=str) + "\n").encode()
-        fd = os.open(self.events_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":  # a row cut by a crash: start a new line
-                data = b"\n" + data
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        append_jsonl(self.events_file, row, default=str)
         return row
 
     def events(self) -> list[dict[str, Any]]:
-        if not self.events_file.exists():
-            return []
-        rows = []
-        for line in self.events_file.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash mid-write
-        return rows
+        return list(read_jsonl(self.events_file))  # a row cut by a crash mid-write is skipped

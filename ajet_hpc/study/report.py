@@ -182,7 +182,7 @@ def plot_metric_vs_params(views: list[TrialView], spec: StudySpec, path: Path) -
         if categorical:
             ax.set_xticks(range(len(order)), [str(o) for o in order])
         elif points and all(isinstance(x, (int, float)) and x > 0 for x, _, _ in points):
-            values = [x for x, _, _ in points]
+            values = [float(x) for x, _, _ in points if x is not None]
             if max(values) / min(values) > 20:
                 ax.set_xscale("log")
         ax.set_xlabel(param.rsplit(".", 1)[-1])

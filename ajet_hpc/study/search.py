@@ -84,7 +84,7 @@ def _grid_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
     import optuna
 
     class StudyGridSampler(optuna.samplers.GridSampler):
-        def after_trial(self, study, trial, state, values) -> None:  # type: ignore[no-untyped-def]
+        def after_trial(self, study, trial, state, values) -> None:
             return None
 
     return StudyGridSampler(spec.grid_space(), seed=spec.sampler_seed)

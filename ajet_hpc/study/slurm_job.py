@@ -17,8 +17,8 @@ from typing import Any
 import submitit
 
 from ajet_hpc.config import slurm_time_minutes
-from ajet_hpc.launch import slurmcli
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.slurm import slurmcli
+from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.study.layout import StudyDir
 from ajet_hpc.study.schema import StudySpec
 
@@ -31,14 +31,14 @@ class SupervisorJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> int:
         from ajet_hpc.logging_setup import setup_logging
-        from ajet_hpc.study.cli import frozen_spec
+        from ajet_hpc.study.search import load_study
         from ajet_hpc.study.supervisor import LEASE_TIMING, Supervisor
 
         setup_logging()
         os.chdir(self.cwd)
         signal.signal(signal.SIGTERM, _interrupt)  # scancel: release the lease on the way out
         study_dir = StudyDir(Path(self.study_root))
-        supervisor = Supervisor(frozen_spec(study_dir), study_dir, cwd=Path(self.cwd))
+        supervisor = Supervisor(load_study(study_dir.spec_file)[0], study_dir, cwd=Path(self.cwd))
         # a requeued or resubmitted job may start before the killed one's lease has gone stale
         code = supervisor.run(wait_for_lease_s=2 * LEASE_TIMING.timeout_s)
         if code:

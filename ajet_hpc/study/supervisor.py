@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ajet_hpc.config import load_topology
-from ajet_hpc.launch import registry, slurmcli
+from ajet_hpc.launch import registry
 from ajet_hpc.launch.backends import BackendError
 from ajet_hpc.launch.control import cancel_run, task_states
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
 from ajet_hpc.storage.rundir import RunDir
@@ -247,8 +248,12 @@ class Supervisor:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(5.0)
-        where = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
-        self.study_dir.event("supervisor_started", **where)
+        self.study_dir.event(
+            "supervisor_started",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            job=os.environ.get("SLURM_JOB_ID"),
+        )
         passes = 0
         try:
             while self.lost is None:

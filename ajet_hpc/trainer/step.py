@@ -79,8 +79,15 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
         inputs = model_inputs(batch, attention, dtype)
         head = _output_layer_plan(config)
         logprobs, entropy = model_logprobs(
-            engine, inputs, batch["loss_mask"], batch.get("parents"), entropy=True, **head
+            engine,
+            inputs,
+            batch["loss_mask"],
+            batch.get("parents"),
+            entropy=True,
+            chunk_tokens=head.chunk_tokens,
+            min_chunks=head.min_chunks,
         )
+        assert entropy is not None  # asked for above
         old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
         ref = None
         if models.reference is not None:
@@ -167,22 +174,37 @@ def model_inputs(
     return inputs
 
 
-def _output_layer_plan(config: TrainerConfig) -> dict[str, int]:
+@dataclass(frozen=True)
+class HeadPlan:
+    """How ``model_logprobs`` runs the output layer (see ``_output_layer_plan``)."""
+
+    chunk_tokens: int
+    min_chunks: int = 0
+
+
+def _output_layer_plan(config: TrainerConfig) -> HeadPlan:
     """How the output layer runs: chunks of ``logits_chunk_tokens`` rows, except under ZeRO-3, where every
     head call gathers the head's weight in a collective: there it runs once per micro-batch on all the
     trained rows (at least once, on a zero row, where there are none), the same calls on every rank. Several
     calls per micro-batch (chunks, or their recompute) desynchronised the ranks' collectives in DeepSpeed
     0.19 even with equal call counts (tests/component/test_trainer.py with chunks of 3 rows)."""
     if config.zero_stage == 3:
-        return {"chunk_tokens": 2**62, "min_chunks": 1}
-    return {"chunk_tokens": config.logits_chunk_tokens}
+        return HeadPlan(chunk_tokens=2**62, min_chunks=1)
+    return HeadPlan(chunk_tokens=config.logits_chunk_tokens)
 
 
 def _reference_logprobs(
-    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], head: dict[str, int]
+    models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], head: HeadPlan
 ) -> torch.Tensor:
+    if models.reference is None:
+        raise ValueError("reference log-probabilities asked for without a reference model (kl_coef is 0)")
     with torch.no_grad():
         logprobs, _ = model_logprobs(
-            models.reference, inputs, batch["loss_mask"], batch.get("parents"), **head
+            models.reference,
+            inputs,
+            batch["loss_mask"],
+            batch.get("parents"),
+            chunk_tokens=head.chunk_tokens,
+            min_chunks=head.min_chunks,
         )
         return logprobs

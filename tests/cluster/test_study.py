@@ -121,9 +121,10 @@ def _steps(run: Path) -> int:
 def test_study_on_dev_cluster(tmp_path: Path) -> None:
     from support import wait_until
 
-    from ajet_hpc.launch import registry, slurmcli
+    from ajet_hpc.launch import registry
     from ajet_hpc.launch.control import task_states
-    from ajet_hpc.storage.atomic import read_json
+    from ajet_hpc.slurm import slurmcli
+    from ajet_hpc.storage.files import read_json
     from ajet_hpc.storage.rundir import RunDir
     from ajet_hpc.study.cli import open_study_dir
     from ajet_hpc.study.search import load_study

@@ -155,8 +155,7 @@ def test_callbacks_and_written_answer_after_the_commit_in_order(tmp_path: Path) 
 
 def test_store_config_reaches_the_recorder(tmp_path: Path) -> None:
     server = ServerConfig(name="a", model="builtin:tiny", store={"commit_interval_ms": 2.0})
-    assert server.store.recorder_settings() == {"commit_interval_ms": 2.0, "commit_max_episodes": 64}
-    recorder = EpisodeRecorder(tmp_path / "s.h5", **server.store.recorder_settings())  # as process.serve
+    recorder = EpisodeRecorder.from_config(tmp_path / "s.h5", server.store)  # as process.serve
     recorder.close()
     assert (recorder.commit_interval_s, recorder.commit_max) == (0.002, 64)
     assert ServerConfig(name="a", model="builtin:tiny").store == StoreConfig()

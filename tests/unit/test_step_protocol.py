@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ajet_hpc.algo.samples import Sample
-from ajet_hpc.storage.atomic import read_json, write_json_atomic
+from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.trainer import protocol
 from ajet_hpc.trainer.launch import PARENT_PID_VAR
 from ajet_hpc.trainer.protocol import (
