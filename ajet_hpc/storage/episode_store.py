@@ -431,8 +431,25 @@ class EpisodeWriter:
         close_detached(self._file.close, self._fd)
         self._file = None
 
+    def seal(self) -> None:
+        """Make the file whole for any HDF5 reader: each column's open chunk (which this package's readers
+        read from ``_tail/<column>``) is written into the column too, so that every dataset read whole with
+        plain h5py, pandas or HDFView holds exactly the committed data (docs/storage.md, "Reading a store
+        without ajet_hpc"). Called by ``close``; a server may also call it at a checkpoint (each call costs
+        one compressed partial chunk per column of file space: see docs/storage.md). Commits nothing and
+        changes nothing this package's readers read; a crash during it loses nothing."""
+        with self._lock:
+            if self._file is None or self._closed:
+                return
+            for column in self._columns.values():
+                column.seal_open()
+            self._file.flush()
+            os.fsync(self._fd)
+            self.stats.fsyncs += 1
+
     def close(self) -> None:
-        """Commit nothing new, close the file, release the lease (a writer that lost it only lets go)."""
+        """Commit nothing new, seal (``seal``: the file read whole by any HDF5 tool holds everything
+        committed), close the file, release the lease (a writer that lost it only lets go)."""
         with self._lock:
             self._closed = True
             if self._file is not None:
@@ -442,6 +459,8 @@ class EpisodeWriter:
                     self._detach()
                 else:
                     try:
+                        for column in self._columns.values():
+                            column.seal_open()
                         self._file.flush()
                         os.fsync(self._fd)
                         self.stats.fsyncs += 1

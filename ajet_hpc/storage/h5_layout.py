@@ -562,6 +562,22 @@ class SealedColumn:
         self.main.resize(((k + 1) * self.chunk,))
         self.main.id.write_direct_chunk((k * self.chunk,), compressed, 0)
 
+    def seal_open(self) -> None:
+        """Write the open chunk's part into the column as well (padded with zeros, compressed) and set the
+        column's extent to exactly the elements staged, so that the column read whole (plain h5py, any HDF5
+        tool) holds all of them. Readers of this package still read the open chunk from its tail slot
+        (``sealed`` is not changed). The chunk is written again when it fills (under SWMR its old space is
+        not reused: one partial chunk per column per ``seal_open`` call, see docs/storage.md) and a reopen
+        drops it again (``drop_unsealed``)."""
+        edge = self.sealed * self.chunk
+        if self.fill:
+            data = self.buf.copy()
+            data[self.fill :] = 0
+            self.main.resize((edge + self.fill,))
+            self.main.id.write_direct_chunk((edge,), self.compress(data), 0)
+        else:
+            self.main.resize((edge,))
+
     def write_tail(self) -> None:
         if self.fill > self._clean:
             write_at(
