@@ -387,20 +387,22 @@ def check_not_truncated(path: Path) -> None:
     )
 
 
-def repair_truncated(path: Path) -> None:
+def repair_truncated(path: Path) -> bool:
     """Writer side, under the lease: a file cut short by a failed append (disk full: HDF5 had raised the
     end-of-file in the superblock, the data after it was never written) is padded with zeros to the end
-    its superblock names, so HDF5 opens it again; the reopen then shrinks everything to the last commit."""
+    its superblock names, so HDF5 opens it again; the reopen then shrinks everything to the last commit.
+    True if it was."""
     block = read_superblock(path)
     size = path.stat().st_size
     if block is None or size >= block.eof:
-        return
+        return False
     why = f"{size} bytes where its superblock says {block.eof} (an append failed, disk full?)"
     _open_repaired(path, why).close()  # refuses a file cut inside its committed part
     log.warning("%s: %s; padding it to that end before going back to the last commit", path, why)
     with open(path, "rb+") as handle:
         handle.truncate(block.eof)
         os.fsync(handle.fileno())
+    return True
 
 
 def clear_write_flags(path: Path) -> None:
