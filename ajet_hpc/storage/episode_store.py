@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,7 +207,12 @@ class EpisodeWriter:
         return self._closed
 
     def _open(self) -> None:
-        repair_truncated(self.path)
+        # A store whose last writer did not close it (a failed append, a kill) may hold chunk-index blocks
+        # HDF5 never wrote (found 2026-12-01 after EFBIG: the next write of a compressed chunk then hangs in
+        # HDF5's metadata retries), so such a store is not sealed by this writer (``seal``; the next
+        # writer that opens it cleanly closed does). Known limitation, docs/storage.md.
+        repaired = repair_truncated(self.path)
+        self._unsealable = repaired or self._failure is not None or self._lease.taken_from is not None
         check_not_truncated(self.path)
         old = self._lease.taken_from
         clear_stale_write_flags(self.path, old.pid if old is not None else None)
@@ -290,15 +295,18 @@ class EpisodeWriter:
     def append_records(self, records: Sequence[EpisodeRecord | StepRecord]) -> None:
         """Append episodes and steps as one commit group: their data written in order, one flush and fsync
         for all of them, then one write of the ``commit`` counter. Committed together on return; on any
-        failure none of them is (all or nothing). Each record is encoded first: one that cannot be stored
-        raises :class:`UnstorableRecord` (its ``index``) before the file is touched."""
+        failure none of them is (all or nothing). Each record is encoded before the file is touched: one
+        that cannot be stored raises :class:`UnstorableRecord` (its ``index``) and nothing is written.
+
+        The chunks the group fills are compressed on the writer's threads while the records after them are
+        still being encoded (zlib releases the GIL): encoding and compression, most of a group's CPU time,
+        overlap."""
         if not records:
             return
-        encoded = [self._encode(record, index) for index, record in enumerate(records)]
         what = _describe(records[0])
         if len(records) > 1:
             what = f"{len(records)} records ({what} to {_describe(records[-1])})"
-        self._append(join_appends(encoded), what)
+        self._append(records, what)
 
     def _encode(self, record: EpisodeRecord | StepRecord, index: int) -> Append:
         try:
@@ -307,7 +315,7 @@ class EpisodeWriter:
             message = f"{self.path}: {_describe(record)} cannot be stored: {exc}"
             raise UnstorableRecord(message, index) from exc
 
-    def _append(self, encoded: Append, what: str) -> None:
+    def _append(self, records: Sequence[EpisodeRecord | StepRecord], what: str) -> None:
         with self._lock:
             if self._closed:
                 lost = self._lease.lost
@@ -320,8 +328,9 @@ class EpisodeWriter:
             if self._file is None:
                 self._reopen(what)
             assert self._file is not None
+            encoded, full = self._stage(records)  # the file untouched yet (UnstorableRecord: nothing staged)
             try:
-                self._write(self._file, encoded)
+                self._write(self._file, encoded, full)
             except Exception as exc:
                 self.stats.failed += 1
                 self._failure = f"{type(exc).__name__}: {exc}"
@@ -334,6 +343,42 @@ class EpisodeWriter:
                     "the store at its last commit"
                 ) from exc
 
+    def _stage(
+        self, records: Sequence[EpisodeRecord | StepRecord]
+    ) -> tuple[Append, list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]]]:
+        """Encode ``records`` one by one into the columns' open chunks; each chunk filled on the way is
+        handed to the compression threads at once. Returns the group's rows and offsets (its column values
+        are in the chunks) and the filled chunks ``(column, index, compressed future or data)``. A record
+        that cannot be stored undoes the staging (nothing of the group stays) and raises."""
+        saved = {name: column.save() for name, column in self._columns.items()}
+        pool = self._compressor()
+        encoded: list[Append] = []
+        full: list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]] = []
+        try:
+            for index, record in enumerate(records):
+                append = self._encode(record, index)
+                for name, values in append.columns.items():
+                    column = self._columns[name]
+                    for k, data in column.stage(values):
+                        full.append((column, k, pool.submit(column.compress, data) if pool else data))
+                encoded.append(append)
+        except BaseException:
+            for _, _, job in full:
+                if isinstance(job, Future):
+                    job.cancel()
+            for name, column in self._columns.items():
+                column.restore(saved[name])
+            raise
+        return join_appends(encoded, columns=False), full
+
+    def _compressor(self) -> ThreadPoolExecutor | None:
+        """The threads compressing filled chunks (None on one core: compressed inline at write time)."""
+        if _COMPRESS_THREADS == 1:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_COMPRESS_THREADS, thread_name_prefix="store-compress")
+        return self._pool
+
     def _reopen(self, what: str) -> None:
         """Reopen at the last commit after a failed append; StoreError (with both reasons) if it fails."""
         try:
@@ -345,24 +390,21 @@ class EpisodeWriter:
             ) from exc
         log.warning("%s: reopened at its last commit after a failed append; appending again", self.path)
 
-    def _write(self, f: h5py.File, encoded: Append) -> None:
+    def _write(
+        self, f: h5py.File, encoded: Append, full: list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]]
+    ) -> None:
         old = self._counts
         new = old.copy()
         for space, n in encoded.counts.items():
             new[_SPACE[space]] += n
-        full = [
-            (self._columns[name], k, data)
-            for name, values in encoded.columns.items()
-            for k, data in self._columns[name].stage(values)
-        ]
         if full:  # a tail slot may be reused next: readers must see the seal first
-            for (column, k, _), compressed in zip(full, self._compress(full), strict=True):
-                column.seal(k, compressed)
+            for column, k, job in full:
+                column.seal(k, job.result() if isinstance(job, Future) else column.compress(job))
             f.flush()
             self._write_sealed()
             f.flush()
-        for name in encoded.columns:
-            self._columns[name].write_tail()
+        for column in self._columns.values():
+            column.write_tail()
         for name, rows in encoded.rows.items():
             write_at(self._data[name], int(old[_SPACE[name]]), rows)
         for name, lengths in encoded.lengths.items():
@@ -380,15 +422,6 @@ class EpisodeWriter:
         self.stats.episodes += encoded.counts.get("episodes", 0)
         self.stats.steps += encoded.counts.get("steps", 0)
 
-    def _compress(self, full: list[tuple[SealedColumn, int, np.ndarray]]) -> list[bytes]:
-        """The filled chunks compressed, on a few threads when there are several (a commit group fills
-        many; zlib releases the GIL, and compression is most of an append's CPU time)."""
-        if len(full) == 1 or _COMPRESS_THREADS == 1:
-            return [column.compress(data) for column, _, data in full]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_COMPRESS_THREADS, thread_name_prefix="store-compress")
-        return list(self._pool.map(lambda job: job[0].compress(job[2]), full))
-
     def _on_lease_lost(self) -> None:
         """Called by the heartbeat thread when another process took the lease over."""
         with self._lock:
@@ -403,8 +436,25 @@ class EpisodeWriter:
         close_detached(self._file.close, self._fd)
         self._file = None
 
+    def seal(self) -> None:
+        """Make the file whole for any HDF5 reader: each column's open chunk (which this package's readers
+        read from ``_tail/<column>``) is written into the column too, so that every dataset read whole with
+        plain h5py, pandas or HDFView holds exactly the committed data (docs/storage.md, "Reading a store
+        without ajet_hpc"). Called by ``close``; a server may also call it at a checkpoint (each call costs
+        one compressed partial chunk per column of file space: see docs/storage.md). Commits nothing and
+        changes nothing this package's readers read; a crash during it loses nothing."""
+        with self._lock:
+            if self._file is None or self._closed or self._unsealable:
+                return
+            for column in self._columns.values():
+                column.seal_open()
+            self._file.flush()
+            os.fsync(self._fd)
+            self.stats.fsyncs += 1
+
     def close(self) -> None:
-        """Commit nothing new, close the file, release the lease (a writer that lost it only lets go)."""
+        """Commit nothing new, seal (``seal``: the file read whole by any HDF5 tool holds everything
+        committed), close the file, release the lease (a writer that lost it only lets go)."""
         with self._lock:
             self._closed = True
             if self._file is not None:
@@ -414,6 +464,15 @@ class EpisodeWriter:
                     self._detach()
                 else:
                     try:
+                        if self._unsealable:
+                            log.warning(
+                                "%s: not sealed at close (its last writer had not closed it); EpisodeReader "
+                                "reads all of it, plain HDF5 readers only its full chunks",
+                                self.path,
+                            )
+                        else:
+                            for column in self._columns.values():
+                                column.seal_open()
                         self._file.flush()
                         os.fsync(self._fd)
                         self.stats.fsyncs += 1

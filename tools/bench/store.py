@@ -28,6 +28,7 @@ Everything is written under a temporary folder (or ``--dir``) and removed at the
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import os
@@ -137,8 +138,10 @@ def episode(corpus: Corpus, index: int) -> EpisodeRecord:
                 response_logprobs=logprobs,
                 token_authors=prompt_authors + [MODEL] * len(response),
                 loss_mask=[0] * len(prompt) + [1] * len(response),
-                messages=[*messages, reply],
-                tools=TOOLS,
+                # each call's own copies, as the server's timelines hold them (tracking/context.py parses
+                # and copies every request's messages): no object shared between timelines
+                messages=copy.deepcopy([*messages, reply]),
+                tools=copy.deepcopy(TOOLS),
                 policy_version=index // 512,
                 finish_reason="stop" if final else "tool_calls",
                 reused_spans=list(spans),
