@@ -31,7 +31,7 @@ class SupervisorJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> int:
         from ajet_hpc.logging_setup import setup_logging
-        from ajet_hpc.study.search import load_study
+        from ajet_hpc.study.schema import load_study
         from ajet_hpc.study.supervisor import LEASE_TIMING, Supervisor
 
         setup_logging()
