@@ -58,7 +58,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ajet_hpc.storage.files import write_bytes_atomic
+from ajet_hpc.storage.files import fsync_dir, write_bytes_atomic
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
 
@@ -407,22 +407,12 @@ def read_results(path: Path) -> list[Result]:
 # --- writing ----------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_journal(path: Path, header: dict[str, Any], results: list[Result]) -> None:
     """Replace the journal with one holding ``header`` and ``results`` (atomic: old or new, never a mix)."""
     frames = [_frame(_canonical({"kind": "header", **header}).encode("utf-8"))]
     frames += [_frame(_payload(result)) for result in results]
     write_bytes_atomic(path, b"".join(frames))
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> None:
@@ -445,7 +435,7 @@ def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 VIEW_MIN_FREE = 1 << 20

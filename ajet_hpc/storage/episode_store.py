@@ -628,11 +628,11 @@ class EpisodeReader:
                 ("episode_json", j0, j1),
             ]
         )
-        tok_off, json_off, tjson = tok_off - tok_off[0], json_off - json_off[0], tjson.tobytes()
+        tok_off, json_off, ttext = tok_off - tok_off[0], json_off - json_off[0], tjson.tobytes()
         timelines = []
         for i, trow in enumerate(rows):
             a, p, b = int(tok_off[i]), int(tok_off[i]) + int(trow["prompt_len"]), int(tok_off[i + 1])
-            extra = json.loads(tjson[json_off[i] : json_off[i + 1]])
+            extra = json.loads(ttext[json_off[i] : json_off[i + 1]])
             timelines.append(
                 Timeline(
                     prompt_ids=tokens[a:p].tolist(),
@@ -686,10 +686,10 @@ class EpisodeReader:
         drift = np.concatenate([[0], np.cumsum(trows["n_drift"])])
         versions = trows["policy_version"].tolist()
         (ejson,) = self._read([("episode_json", ejo[0], ejo[-1])])
-        ejson, ejo = ejson.tobytes(), ejo - ejo[0]
+        etext, ejo = ejson.tobytes(), ejo - ejo[0]
         out = []
         for i in range(n - m):
-            meta = json.loads(ejson[ejo[i] : ejo[i + 1]])
+            meta = json.loads(etext[ejo[i] : ejo[i + 1]])
             a, b = int(eto[i]) - t0, int(eto[i + 1]) - t0
             reward = float(rows["reward"][i])
             out.append(
@@ -728,7 +728,7 @@ class EpisodeReader:
             sjson, ajson = self._read(
                 [("step_json", sjo[0], sjo[-1]), ("sample_json", sample_off[0], sample_off[-1])]
             )
-            sjson, ajson, sjo, sample_off = (
+            stext, atext, sjo, sample_off = (
                 sjson.tobytes(),
                 ajson.tobytes(),
                 sjo - sjo[0],
@@ -737,13 +737,13 @@ class EpisodeReader:
             for i in range(n - m):
                 a, b = int(sso[i] - sso[0]), int(sso[i + 1] - sso[0])
                 ids = [
-                    json.loads(ajson[sample_off[k] : sample_off[k + 1]])["episode_id"] for k in range(a, b)
+                    json.loads(atext[sample_off[k] : sample_off[k + 1]])["episode_id"] for k in range(a, b)
                 ]
                 self._steps.append(
                     {
                         "index": m + i,
                         "step": int(rows["step"][i]),
-                        "metrics": json.loads(sjson[sjo[i] : sjo[i + 1]])["metrics"],
+                        "metrics": json.loads(stext[sjo[i] : sjo[i + 1]])["metrics"],
                         "n_samples": b - a,
                         "episode_ids": list(dict.fromkeys(ids)),
                     }
@@ -766,11 +766,11 @@ class EpisodeReader:
         tokens, mask, advantages, old, ajson = self._read(
             [*((name, tok_off[0], tok_off[-1]) for name in names), ("sample_json", json_off[0], json_off[-1])]
         )
-        tok_off, json_off, ajson = tok_off - tok_off[0], json_off - json_off[0], ajson.tobytes()
+        tok_off, json_off, atext = tok_off - tok_off[0], json_off - json_off[0], ajson.tobytes()
         samples = []
         for i, row in enumerate(rows):
             a, b = int(tok_off[i]), int(tok_off[i + 1])
-            extra = json.loads(ajson[json_off[i] : json_off[i + 1]])
+            extra = json.loads(atext[json_off[i] : json_off[i + 1]])
             samples.append(
                 Sample(
                     token_ids=tokens[a:b].tolist(),

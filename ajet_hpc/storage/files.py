@@ -86,6 +86,8 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder (their renames are durable already)
+        pass
     finally:
         os.close(fd)
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import h5py
 import numpy as np
 
+from ajet_hpc.storage.files import fsync_dir, pid_alive
+
 if TYPE_CHECKING:
     from ajet_hpc.algo.samples import Sample
     from ajet_hpc.storage.episode_store import EpisodeRecord, StepRecord
@@ -133,18 +135,18 @@ def create_file(path: Path, chunk_tokens: int) -> None:
                 f.create_dataset(name, (0,), dtype, maxshape=(None,), chunks=(ROW_CHUNK,))
             for name in OFFSETS:
                 f.create_dataset(name, data=np.zeros(1, np.int64), maxshape=(None,), chunks=(ROW_CHUNK,))
-            for name, (dtype, _) in SEALED.items():
-                chunk, wide = chunk_tokens, np.dtype(dtype).itemsize > 1
+            for name, (column_dtype, _) in SEALED.items():
+                chunk, wide = chunk_tokens, np.dtype(column_dtype).itemsize > 1
                 filters = {"shuffle": True} if wide else {}
                 f.create_dataset(
-                    name, (0,), dtype, maxshape=(None,), chunks=(chunk,), compression="gzip",
+                    name, (0,), column_dtype, maxshape=(None,), chunks=(chunk,), compression="gzip",
                     compression_opts=DEFLATE_LEVEL, **filters,
                 )  # fmt: skip
-                _fixed(f, f"{TAIL}/{name}", 2 * chunk, dtype, chunk)
+                _fixed(f, f"{TAIL}/{name}", 2 * chunk, column_dtype, chunk)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -334,14 +336,6 @@ class RepairedView(io.RawIOBase):
         super().close()
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------- a writer that died with the file open
 def writer_identity() -> str:
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
@@ -376,14 +370,15 @@ def read_superblock(path: Path) -> Superblock | None:
 
 def check_not_truncated(path: Path) -> None:
     """Refuse a file shorter than its superblock says (HDF5's SWMR reader would retry its reads for long)."""
+    eof = 0
     for _ in range(5):
         block = read_superblock(path)
         if block is None or path.stat().st_size >= block.eof:
             return
+        eof = block.eof
         time.sleep(0.02)  # a live writer extends the file at the end of each flush
     raise StoreError(
-        f"{path}: truncated: {path.stat().st_size} bytes where its superblock says {block.eof}; "
-        "the file is damaged"
+        f"{path}: truncated: {path.stat().st_size} bytes where its superblock says {eof}; the file is damaged"
     )
 
 
@@ -440,12 +435,8 @@ def _refuse_live_writer(path: Path, taken_from_pid: int | None) -> None:
         return  # not readable (killed before SWMR started): nobody can be writing it through SWMR either
     if owner.get("host") != socket.gethostname() or owner.get("pid") in (None, os.getpid(), taken_from_pid):
         return
-    try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
+    if not pid_alive(int(owner["pid"])):
         return
-    except PermissionError:
-        pass
     raise StoreError(
         f"{path}: process {owner['pid']} on this host still has it open for writing, without holding the "
         "writer lease; one writer per store: stop it first"

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from ajet_hpc.storage.files import pid_alive
 from ajet_hpc.storage.h5_layout import StoreError
 
 log = logging.getLogger(__name__)
@@ -135,16 +136,6 @@ def _restarts() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def stale_reason(lease: Lease) -> str | None:
     """Why ``lease`` no longer protects anything (then it may be taken over), or None while it does."""
     if lease.job_id and lease.job_id == os.environ.get("SLURM_JOB_ID") and lease.restarts < _restarts():
@@ -152,7 +143,7 @@ def stale_reason(lease: Lease) -> str | None:
     if lease.host == socket.gethostname():
         if lease.pid == os.getpid():
             return "it is this process's own, left by a writer that was not closed"
-        if not _pid_alive(lease.pid):
+        if not pid_alive(lease.pid):
             return "its process is dead"
     if lease.age() > lease.timeout_s:
         return f"{_EXPIRED} of {lease.timeout_s:g} s"

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ajet_hpc.config.placement import bind_rank_gpu
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
-from ajet_hpc.storage.files import read_json, write_json_atomic
+from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
@@ -326,15 +326,7 @@ def export_root(work_dir: Path) -> Path:
 def _parent_alive() -> bool:
     """False once the starting process (see ``launch``) is gone; True when unknown or on another host."""
     pid = os.environ.get(PARENT_PID_VAR)
-    if not pid or os.environ.get(PARENT_HOST_VAR) != socket.gethostname():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not (pid and holder_dead(os.environ.get(PARENT_HOST_VAR), int(pid)))
 
 
 def _pad_id(model_config) -> int:

@@ -56,7 +56,7 @@ SMOKE = [
     ),
     pytest.param(
         "weight_sync.py",
-        ["--syncs", "1"],
+        ["--syncs", "1", "--shape", "smoke"],
         ["sync_memory_s", "sync_disk_s", "speedup", "pause_s"],
         id="weight_sync",
         marks=SLOW,

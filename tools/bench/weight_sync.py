@@ -43,6 +43,15 @@ from ajet_hpc.trainer.protocol import TrainerChannel, WorkDir
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 SHAPES = {
+    # the smoke test's: the same vocabulary and ties, two narrow layers (the figures mean nothing)
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
     # ~125M parameters: 12 layers of 512 over Qwen2.5's vocabulary, tied (the vocabulary is most of it)
     "qwen2-125m": dict(
         hidden_size=512,
