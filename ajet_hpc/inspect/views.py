@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ajet_hpc.inspect.run import InspectError, ModelRun, Run
+from ajet_hpc.tracking.episode import EpisodeState
 
-FAILED_STATES = ("aborted", "dropped")
+FAILED_STATES = (EpisodeState.ABORTED, EpisodeState.DROPPED)
 STEP_COLUMNS = ("reward_mean", "reward_std", "episodes", "samples", "tokens", "step_time_s")
 SPARK = "▁▂▃▄▅▆▇█"
 MAX_STEP_ROWS = 10

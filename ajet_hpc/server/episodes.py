@@ -26,24 +26,24 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from ajet_hpc.server.errors import APIError, BadRequest, Conflict, NotFound
 from ajet_hpc.server.protocol import EpisodeSummary
 from ajet_hpc.tracking.context import ContextTracker
+from ajet_hpc.tracking.episode import EpisodeState, Key, episode_key
 from ajet_hpc.tracking.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-OPEN: Final = "open"
-FINISHED: Final = "finished"
-ABORTED: Final = "aborted"
-DROPPED: Final = "dropped"
-
-Key = tuple[str, str, int]
-"""(client group, task id, repeat): what a client runs once and the trainer trains once."""
+OPEN, FINISHED, ABORTED, DROPPED = (
+    EpisodeState.OPEN,
+    EpisodeState.FINISHED,
+    EpisodeState.ABORTED,
+    EpisodeState.DROPPED,
+)
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ class ClosedEpisode:
     """What the registry keeps of a closed episode past the last ``keep_whole``: its summary."""
 
     episode_id: str
-    state: str
+    state: EpisodeState
     reward: float | None
     turn_rewards: list[float] | None
     reason: str | None
@@ -99,12 +99,6 @@ class ClosedEpisode:
         )
 
 
-def episode_key(task_id: str | None, group: str | None, repeat: int | None) -> Key | None:
-    if task_id is None or group is None or repeat is None:
-        return None
-    return (group, task_id, int(repeat))
-
-
 @dataclass
 class Episode:
     episode_id: str
@@ -114,7 +108,7 @@ class Episode:
     group: str | None = None
     repeat: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    state: str = OPEN
+    state: EpisodeState = OPEN
     started_at: float = field(default_factory=time.time)
     last_activity: float = field(default_factory=time.monotonic)
     calls_in_flight: int = 0
@@ -145,7 +139,7 @@ class Episode:
         timelines = self.timelines
         return EpisodeSummary(
             episode_id=self.episode_id,
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,
             task_id=self.task_id,
             group=self.group,
             repeat=self.repeat,
@@ -395,7 +389,7 @@ class EpisodeRegistry:
             await asyncio.sleep(interval)
             self.sweep()
 
-    def _close(self, episode: Episode, state: str, reason: str | None) -> None:
+    def _close(self, episode: Episode, state: EpisodeState, reason: str | None) -> None:
         episode.state, episode.reason, episode.ended_at = state, reason, time.time()
         del self._open[episode.episode_id]
         if episode.key is not None and self._open_by_key.get(episode.key) == episode.episode_id:

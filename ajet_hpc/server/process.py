@@ -24,11 +24,11 @@ from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.recorder import EpisodeRecorder
-from ajet_hpc.server.recovery import stored_summaries
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.recovery import stored_summaries
 from ajet_hpc.trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ajet_hpc.tracking.episode import EpisodeState
+
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON a request may carry (metadata, tool-call arguments): deeper input would hit
 Python's recursion limit when stored, rendered or parsed again (a 500 instead of a 400)."""
@@ -393,7 +395,7 @@ class AbortEpisodeRequest(_EpisodeBody):
 
 class EpisodeSummary(BaseModel):
     episode_id: str
-    state: Literal["open", "finished", "aborted", "dropped"]
+    state: EpisodeState
     task_id: str | None
     group: str | None
     repeat: int | None = None

@@ -60,7 +60,7 @@ from ajet_hpc.storage.lease import HeldLease, Lease, LeaseLost, LeaseTiming, acq
 from ajet_hpc.tracking.timeline import DriftEvent, Timeline
 
 if TYPE_CHECKING:
-    from ajet_hpc.server.episodes import Episode
+    from ajet_hpc.tracking.episode import EpisodeData
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -98,7 +98,7 @@ class EpisodeRecord:
     timelines: list[Timeline]
 
     @classmethod
-    def from_episode(cls, episode: Episode) -> EpisodeRecord:
+    def from_episode(cls, episode: EpisodeData) -> EpisodeRecord:
         """From a closed :class:`~ajet_hpc.server.episodes.Episode`; cheap (timelines shared, not copied)."""
         return cls(
             episode_id=episode.episode_id,

@@ -39,6 +39,7 @@ import h5py
 import numpy as np
 
 from ajet_hpc.storage.files import fsync_dir, pid_alive
+from ajet_hpc.tracking.episode import EpisodeState
 
 if TYPE_CHECKING:
     from ajet_hpc.algo.samples import Sample
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 TAIL = "_tail"
-CLOSED_STATES = ("finished", "aborted", "dropped")
+CLOSED_STATES = EpisodeState.closed()
 DEFLATE_LEVEL = (
     1  # docs/storage.md: level 4 (layout 1 files written before 2026-12-01) is 5-13% smaller, 1.7x slower
 )

@@ -34,18 +34,18 @@ import logging
 import statistics
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ajet_hpc.config import TrainerConfig
-from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.tracking.episode import EpisodeData, EpisodeState
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Batch:
-    groups: list[list[Episode]]
+    groups: list[list[EpisodeData]]
     skipped_equal: int = 0
     dropped_stale: int = 0
     shortfall: dict[str, int] = field(default_factory=dict)  # with ratios: tasks a client group owed
@@ -62,7 +62,7 @@ class Batch:
         return len(self.invalid)
 
     @property
-    def episodes(self) -> list[Episode]:
+    def episodes(self) -> list[EpisodeData]:
         return [episode for group in self.groups for episode in group]
 
     def rewards(self) -> list[float]:
@@ -102,7 +102,7 @@ class BatchCollector:
     ended_count: Callable[[str, str], int] | None = None  # (group, task) -> repeats that ended so far
 
     def __post_init__(self) -> None:
-        self._pending: OrderedDict[Key, list[Episode]] = OrderedDict()  # finished episodes per task
+        self._pending: OrderedDict[Key, list[EpisodeData]] = OrderedDict()  # finished episodes per task
         self._changed = asyncio.Event()
         self._version = 0
         self._quotas = quotas(self.config.tasks_per_batch, self.mix) if self.mix else None
@@ -116,26 +116,26 @@ class BatchCollector:
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
-    def announce(self, episode: Episode) -> None:
+    def announce(self, episode: EpisodeData) -> None:
         """A closed episode that `add` will get once the server store holds it (the server calls this on
         close, `add` once written): until then its task group counts it as coming."""
-        if episode.state == FINISHED and episode.timelines:
+        if episode.state == EpisodeState.FINISHED and episode.timelines:
             self._in_transit[_key(episode)] += 1
 
     # The recorder calls this for every closed episode once it is stored (the registry, without a store).
-    def add(self, episode: Episode) -> None:
+    def add(self, episode: EpisodeData) -> None:
         key = _key(episode)
         if self._in_transit[key] > 1:
             self._in_transit[key] -= 1
         else:
             self._in_transit.pop(key, None)
-        if self.closed or episode.state != FINISHED or not episode.timelines:
+        if self.closed or episode.state != EpisodeState.FINISHED or not episode.timelines:
             return
         self.stats.received += 1
         self._pending.setdefault(key, []).append(episode)
         self._changed.set()
 
-    def restore(self, episodes: list[Episode]) -> None:
+    def restore(self, episodes: Sequence[EpisodeData]) -> None:
         """Finished episodes of an earlier life of the server that no step consumed, oldest first."""
         for episode in episodes:
             self.add(episode)
@@ -172,7 +172,7 @@ class BatchCollector:
     def set_policy_version(self, version: int) -> None:
         self._version = version
 
-    def _is_stale(self, episode: Episode, version: int) -> bool:
+    def _is_stale(self, episode: EpisodeData, version: int) -> bool:
         oldest = min(timeline.policy_version for timeline in episode.timelines)
         return version - oldest > self.config.max_staleness
 
@@ -281,7 +281,7 @@ class BatchCollector:
             self._pending.move_to_end(key, last=False)
         return Batch(chosen, skipped_equal=skipped, dropped_stale=dropped, shortfall=shortfall)
 
-    def _complete_groups(self, repeats: int) -> tuple[list[list[Episode]], int]:
+    def _complete_groups(self, repeats: int) -> tuple[list[list[EpisodeData]], int]:
         """Every complete task group now pending (taken out of the pool), minus equal-reward ones."""
         groups, skipped = [], 0
         for key in list(self._pending):
@@ -300,12 +300,12 @@ class BatchCollector:
         return groups, skipped
 
     def _choose(
-        self, groups: list[list[Episode]], wanted: int, now: float
-    ) -> tuple[list[list[Episode]], dict[str, int]] | None:
+        self, groups: list[list[EpisodeData]], wanted: int, now: float
+    ) -> tuple[list[list[EpisodeData]], dict[str, int]] | None:
         """The task groups of the next batch and the shortfall per client group; None: wait."""
         if self._quotas is None:
             return (groups[:wanted], {}) if len(groups) >= wanted else None
-        by_client: dict[str, list[list[Episode]]] = {}
+        by_client: dict[str, list[list[EpisodeData]]] = {}
         for group in groups:
             by_client.setdefault(group[0].group or "", []).append(group)
         chosen = [g for name, quota in self._quotas.items() for g in by_client.get(name, [])[:quota]]
@@ -357,7 +357,7 @@ def quotas(total: int, mix: dict[str, float]) -> dict[str, int]:
     return counts
 
 
-def _key(episode: Episode) -> Key:
+def _key(episode: EpisodeData) -> Key:
     return (episode.group or "", episode.task_id or episode.episode_id)
 
 

@@ -39,7 +39,6 @@ from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.server import watchdog
-from ajet_hpc.server.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.storage.episode_store import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
@@ -53,6 +52,7 @@ from ajet_hpc.trainer.protocol import (
     WorkDir,
     encode_batch,
 )
+from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.trainer.samples import build_samples, gc_paused
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.trackers import Trackers, step_histograms

@@ -31,7 +31,7 @@ from ajet_hpc.algo.credit import group_turn_advantages, masked_row, turn_returns
 from ajet_hpc.algo.merge import MergeStats, Snap
 from ajet_hpc.algo.samples import Sample
 from ajet_hpc.config import MergeConfig, TrainerConfig
-from ajet_hpc.server.episodes import Episode
+from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
 from ajet_hpc.trainer.collector import Batch
 
@@ -41,13 +41,13 @@ log = logging.getLogger(__name__)
 class _Faulty(Exception):
     """Building failed because of these episodes (one, or a whole task group)."""
 
-    def __init__(self, episodes: list[Episode], reason: str) -> None:
+    def __init__(self, episodes: list[EpisodeData], reason: str) -> None:
         super().__init__(reason)
         self.episodes, self.reason = episodes, reason
 
 
 @contextlib.contextmanager
-def _blame(episodes: list[Episode], what: str) -> Iterator[None]:
+def _blame(episodes: list[EpisodeData], what: str) -> Iterator[None]:
     try:
         yield
     except _Faulty:
@@ -120,7 +120,7 @@ def _checked_build(
             _drop(batch, fault.episodes, fault.reason)
 
 
-def episode_fault(episode: Episode, config: TrainerConfig) -> str | None:
+def episode_fault(episode: EpisodeData, config: TrainerConfig) -> str | None:
     """Why this episode cannot be trained, or None: its rewards, and its own samples."""
     reason = record_fault(episode)
     if reason is not None:
@@ -132,7 +132,7 @@ def episode_fault(episode: Episode, config: TrainerConfig) -> str | None:
     return None
 
 
-def record_fault(episode: Episode) -> str | None:
+def record_fault(episode: EpisodeData) -> str | None:
     """Why this episode's record cannot be trained (no call, rewards that are not finite numbers), or None."""
     if not episode.timelines:
         return "it recorded no model call"
@@ -149,7 +149,7 @@ def record_fault(episode: Episode) -> str | None:
     return None
 
 
-def _drop(batch: Batch, episodes: list[Episode], reason: str) -> None:
+def _drop(batch: Batch, episodes: list[EpisodeData], reason: str) -> None:
     gone = {id(e) for e in episodes}
     batch.groups = [kept for g in batch.groups if (kept := [e for e in g if id(e) not in gone])]
     for episode in episodes:
@@ -164,7 +164,7 @@ def _drop(batch: Batch, episodes: list[Episode], reason: str) -> None:
 
 
 def _build(
-    groups: list[list[Episode]], config: TrainerConfig, decode: Callable[[list[int]], str] | None
+    groups: list[list[EpisodeData]], config: TrainerConfig, decode: Callable[[list[int]], str] | None
 ) -> tuple[list[Sample], MergeStats]:
     per_call = []
     for group in groups:
@@ -198,12 +198,12 @@ def _build(
     return samples, stats
 
 
-def call_samples(group: list[Episode], gamma: float) -> list[list[Sample]]:
+def call_samples(group: list[EpisodeData], gamma: float) -> list[list[Sample]]:
     """Per episode of a task group, one sample per call (``calls=[k]``), with its turn's advantages."""
     return _call_samples(group, gamma)[0]
 
 
-def _call_samples(group: list[Episode], gamma: float) -> tuple[list[list[Sample]], bool]:
+def _call_samples(group: list[EpisodeData], gamma: float) -> tuple[list[list[Sample]], bool]:
     """`call_samples`, and whether every advantage is finite. A sample's advantages are 0.0 and its turn's
     advantage (where its loss mask is 1), so the turn advantages of samples with a trained token are
     checked instead of every token."""
@@ -250,7 +250,7 @@ def weigh_episodes(samples: list[Sample]) -> None:
 
 
 def merge_episode(
-    episode: Episode, calls: list[Sample], config: MergeConfig, decode: Callable[[list[int]], str] | None
+    episode: EpisodeData, calls: list[Sample], config: MergeConfig, decode: Callable[[list[int]], str] | None
 ) -> tuple[list[Sample], list[Snap]]:
     """One episode's call samples merged as configured, and the snaps met."""
     if config.mode == "none" or len(calls) < 2:
@@ -327,7 +327,7 @@ def _text_prefix(earlier: Timeline, later: Timeline, decode: Callable[[list[int]
     return decode is not None and merge.text_is_prefix(earlier.token_ids, later.prompt_ids, decode)
 
 
-def _episode_returns(episode: Episode, gamma: float) -> list[float]:
+def _episode_returns(episode: EpisodeData, gamma: float) -> list[float]:
     """One return per answer of the episode: the episode reward, or per-turn returns when reported."""
     calls = len(episode.timelines)
     reward = float(episode.reward or 0.0)

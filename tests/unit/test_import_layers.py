@@ -27,13 +27,10 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
 
 KNOWN_UPWARD = {  # (importer, imported): why it is still there
     (
-        "ajet_hpc.storage.episode_store",
-        "ajet_hpc.server.episodes",
-    ): "EpisodeRecord.from_episode (issue 16, 6)",
-    ("ajet_hpc.trainer.collector", "ajet_hpc.server.episodes"): "the collector takes the server's Episode",
-    ("ajet_hpc.trainer.samples", "ajet_hpc.server.episodes"): "samples are built from the server's Episode",
-    ("ajet_hpc.trainer.coordinator", "ajet_hpc.server.recovery"): "restoring unconsumed episodes",
-    ("ajet_hpc.trainer.coordinator", "ajet_hpc.server.watchdog"): "the coordinator beats the watchdog",
+        "ajet_hpc.trainer.coordinator",
+        "ajet_hpc.server.watchdog",
+    ): "the coordinator asks the server's watchdog "
+    "whether the engine died, and has it requeue the server (the coordinator runs in the server process)",
 }
 
 KNOWN_CYCLES = {  # modules that import each other (most through lazy imports)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.server.episodes import FINISHED, Episode, episode_key
 from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, StoreError
+from ajet_hpc.tracking.episode import EpisodeState, episode_key
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def unconsumed(summaries: list[dict[str, Any]], consumed, version: int, max_stal
     episodes of one key only the first counts (the later one was never the key's result)."""
     out, seen = Unconsumed(), set()
     for s in summaries:
-        if s["state"] != FINISHED or not s["calls"] or s["episode_id"] in consumed:
+        if s["state"] != EpisodeState.FINISHED or not s["calls"] or s["episode_id"] in consumed:
             continue
         repeat = (s.get("metadata") or {}).get("repeat")
         key = episode_key(s["task_id"], s["group"], repeat if isinstance(repeat, int) else None)
@@ -53,7 +53,7 @@ def unconsumed(summaries: list[dict[str, Any]], consumed, version: int, max_stal
     return out
 
 
-def load_episodes(path: Path, episode_ids: list[str]) -> list[Episode]:
+def load_episodes(path: Path, episode_ids: list[str]) -> list[EpisodeRecord]:
     """The full episodes (timelines included) for the collector, in the order given."""
     if not episode_ids:
         return []
@@ -61,28 +61,7 @@ def load_episodes(path: Path, episode_ids: list[str]) -> list[Episode]:
     with EpisodeReader(path) as reader:
         for episode_id in episode_ids:
             try:
-                episodes.append(as_episode(reader.episode(episode_id)))
+                episodes.append(reader.episode(episode_id))
             except (KeyError, StoreError) as exc:
                 log.warning("cannot restore episode %s from %s: %s", episode_id, path, exc)
     return episodes
-
-
-def as_episode(record: EpisodeRecord) -> Episode:
-    """A closed, finished :class:`Episode` from its stored record (no tracker: it takes no more calls)."""
-    repeat = record.metadata.get("repeat")
-    return Episode(
-        episode_id=record.episode_id,
-        model=record.model,
-        tracker=None,
-        task_id=record.task_id,
-        group=record.group,
-        repeat=repeat if isinstance(repeat, int) else None,
-        metadata=dict(record.metadata),
-        state=record.state,
-        started_at=record.started_at,
-        reward=record.reward,
-        turn_rewards=record.turn_rewards,
-        reason=record.reason,
-        ended_at=record.ended_at,
-        stored_timelines=record.timelines,
-    )
