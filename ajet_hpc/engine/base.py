@@ -12,6 +12,7 @@ over prompt + response reproduces.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +169,7 @@ async def generate_all(
     return Chunk(token_ids, logprobs, finish_reason)
 
 
-class EngineLifecycle:
+class EngineLifecycle(ABC):
     """What both engines share: ``async with engine:`` and the tokenizer, available once started."""
 
     _tokenizer: PreTrainedTokenizerBase | None = None
@@ -179,13 +180,13 @@ class EngineLifecycle:
             raise EngineError("the engine is not started: call start() first")
         return self._tokenizer
 
+    @abstractmethod
     async def start(self) -> None:
         """Load the model and the tokenizer (each engine its own way)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def stop(self) -> None:
         """Abort what runs and release the model."""
-        raise NotImplementedError
 
     async def __aenter__(self) -> Self:
         await self.start()
