@@ -5,7 +5,6 @@ starting any trial twice; a trial of the bad agent is pruned and its jobs are go
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,39 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from ajet_hpc.client.api import EpisodeContext
+from study_support import BAD, GOOD, good_first_seed, run_steps, study_events, study_journal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 REPO = Path(__file__).resolve().parents[2]
-GOOD = "ajet_hpc.agents.arithmetic:solve"
-BAD = "tests.cluster.test_study:penalized_arithmetic"
 STEPS = 6
-
-
-def penalized_arithmetic(ctx: EpisodeContext) -> float:
-    """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
-    from ajet_hpc.agents.arithmetic import solve
-
-    return solve(ctx) - 1.0
-
-
-def _good_first_seed() -> int:
-    """A grid order with the good agent among the first two trials and the bad one among the last four."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for seed in range(50):
-        sampler = optuna.samplers.GridSampler({"a": [GOOD, BAD], "seed": [1, 2, 3]}, seed=seed)
-        study = optuna.create_study(sampler=sampler)
-        order = []
-        for _ in range(6):
-            trial = study.ask()
-            order.append(trial.suggest_categorical("a", [GOOD, BAD]))
-            trial.suggest_categorical("seed", [1, 2, 3])
-        if GOOD in order[:2] and BAD in order[2:]:
-            return seed
-    raise AssertionError("no sampler seed gives that order")
 
 
 def _study_file(tmp_path: Path) -> Path:
@@ -67,7 +38,7 @@ def _study_file(tmp_path: Path) -> Path:
         "space": {"clients.math.agent": [GOOD, BAD]},
         "seeds": [1, 2, 3],
         "seed_path": "servers.policy.trainer.seed",
-        "sampler_seed": _good_first_seed(),
+        "sampler_seed": good_first_seed([1, 2, 3]),
         "max_concurrent": 2,
         "metric": {"window": 2},
         "pruner": {"kind": "successive_halving", "min_resource": 2, "reduction_factor": 4},
@@ -94,30 +65,6 @@ def _study_cmd(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _events(study_dir: Path) -> list[dict]:
-    path = study_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _journal(study_dir: Path, name: str):
-    """The study as Optuna's journal has it now."""
-    import optuna
-
-    from ajet_hpc.study.layout import StudyDir
-    from ajet_hpc.study.search import storage
-
-    return optuna.load_study(study_name=name, storage=storage(StudyDir(study_dir)))
-
-
-def _steps(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
-
-
 def test_study_on_dev_cluster(tmp_path: Path) -> None:
     from support import wait_until
 
@@ -134,7 +81,9 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
     assert done.returncode == 0 and "Slurm job" in done.stdout, done.stdout + done.stderr
     try:
         # the supervisor job is scancelled once both first trials are launched; the command resumes it
-        wait_until(lambda: sum(e["event"] == "launched" for e in _events(study_dir)) >= 2, 300, "2 launches")
+        wait_until(
+            lambda: sum(e["event"] == "launched" for e in study_events(study_dir)) >= 2, 300, "2 launches"
+        )
         first_job = read_json(study_dir / "supervisor.json")["job_id"]
         slurmcli.cancel([first_job])
         wait_until(
@@ -150,12 +99,12 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
         def good_past_rung() -> int | None:
             """A good trial still running that successive halving promoted past its rung (step 2), with
             steps left to train after a kill."""
-            for trial in _journal(study_dir, "cluster").get_trials(deepcopy=False):
+            for trial in study_journal(study_dir, "cluster").get_trials(deepcopy=False):
                 if (
                     trial.state.name == "RUNNING"
                     and trial.params.get("clients.math.agent") == GOOD
                     and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
-                    and _steps(study_dir / "trials" / f"{trial.number:04d}") <= STEPS - 2
+                    and run_steps(study_dir / "trials" / f"{trial.number:04d}") <= STEPS - 2
                 ):
                     return trial.number
             return None
@@ -165,7 +114,9 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
         slurmcli.cancel([registry.latest(run)["server-policy"].job_id])
 
         wait_until(
-            lambda: any(e["event"] == "study_finished" for e in _events(study_dir)), 2400, "the study to end"
+            lambda: any(e["event"] == "study_finished" for e in study_events(study_dir)),
+            2400,
+            "the study to end",
         )
     finally:
         ids = [(read_json(study_dir / "supervisor.json") or {}).get("job_id")]
@@ -173,7 +124,7 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
             ids += [job.job_id for job in registry.load(RunDir(run_dir))]
         subprocess.run(["scancel", *[i for i in ids if i]], check=False, capture_output=True)
 
-    events = _events(study_dir)
+    events = study_events(study_dir)
     started = Counter(e["trial"] for e in events if e["event"] == "started")
     assert sorted(started) == list(range(6)) and set(started.values()) == {1}, events  # none started twice
     fresh = Counter(e["trial"] for e in events if e["event"] == "launched" and not e["resume"])
@@ -185,7 +136,7 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
     spec, sdir = open_study_dir(study_dir)
     trials = {t.number: t for t in load_study(spec, sdir).get_trials()}  # the Optuna journal
     assert len(trials) == 6
-    assert trials[victim].state.name == "COMPLETE" and _steps(run.root) == STEPS
+    assert trials[victim].state.name == "COMPLETE" and run_steps(run.root) == STEPS
     pruned = [n for n, t in trials.items() if t.state.name == "PRUNED"]
     assert pruned, events
     assert any(trials[n].params["clients.math.agent"] == BAD for n in pruned), events

@@ -5,7 +5,6 @@ pruned (its processes gone). The report is written from the result."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,20 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from ajet_hpc.client.api import EpisodeContext
+from study_support import BAD, GOOD, good_first_seed, run_steps, study_events, study_journal
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-GOOD = "ajet_hpc.agents.arithmetic:solve"
-BAD = "tests.component.test_study_local:penalized_arithmetic"
-
-
-def penalized_arithmetic(ctx: EpisodeContext) -> float:
-    """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
-    from ajet_hpc.agents.arithmetic import solve
-
-    return solve(ctx) - 1.0
 
 
 def _study_file(tmp_path: Path) -> Path:
@@ -49,7 +38,7 @@ def _study_file(tmp_path: Path) -> Path:
         "space": {"clients.math.agent": [GOOD, BAD]},
         "seeds": [1, 2],
         "seed_path": "servers.policy.trainer.seed",
-        "sampler_seed": _good_first_seed(),
+        "sampler_seed": good_first_seed([1, 2]),
         "max_concurrent": 2,
         "metric": {"window": 2},
         "pruner": {"kind": "successive_halving", "min_resource": 2, "reduction_factor": 4},  # one rung: 2
@@ -60,25 +49,6 @@ def _study_file(tmp_path: Path) -> Path:
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def _good_first_seed() -> int:
-    """A grid order with the good agent among the first two trials and the bad one among the last two:
-    a bad trial then reaches its rung after a good one did, and successive halving prunes it."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for seed in range(50):
-        sampler = optuna.samplers.GridSampler({"a": [GOOD, BAD], "seed": [1, 2]}, seed=seed)
-        study = optuna.create_study(sampler=sampler)
-        order = []
-        for _ in range(4):
-            trial = study.ask()
-            order.append(trial.suggest_categorical("a", [GOOD, BAD]))
-            trial.suggest_categorical("seed", [1, 2])
-        if GOOD in order[:2] and BAD in order[2:]:
-            return seed
-    raise AssertionError("no sampler seed gives that order")
 
 
 def _supervisor(study: Path, log: Path) -> subprocess.Popen:
@@ -92,13 +62,6 @@ def _supervisor(study: Path, log: Path) -> subprocess.Popen:
     )
 
 
-def _events(study_dir: Path) -> list[dict]:
-    path = study_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -109,23 +72,6 @@ def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None 
             raise AssertionError(f"the supervisor exited ({proc.returncode}) while waiting for {what}")
         time.sleep(0.3)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def _journal(study_dir: Path, name: str):
-    """The study as Optuna's journal has it now."""
-    import optuna
-
-    from ajet_hpc.study.layout import StudyDir
-    from ajet_hpc.study.search import storage
-
-    return optuna.load_study(study_name=name, storage=storage(StudyDir(study_dir)))
-
-
-def _steps(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
 
 
 def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
@@ -144,7 +90,10 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
     try:
         # 1. the supervisor is killed once both first trials are launched; started again, it goes on
         _wait(
-            lambda: sum(e["event"] == "launched" for e in _events(study_dir)) >= 2, 120, "2 launches", first
+            lambda: sum(e["event"] == "launched" for e in study_events(study_dir)) >= 2,
+            120,
+            "2 launches",
+            first,
         )
         first.send_signal(signal.SIGKILL)
         first.wait(10)
@@ -154,12 +103,12 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
         def good_past_rung() -> int | None:
             """A good trial still running that successive halving promoted past its rung (step 2), with
             steps left to train after a kill."""
-            for trial in _journal(study_dir, "local").get_trials(deepcopy=False):
+            for trial in study_journal(study_dir, "local").get_trials(deepcopy=False):
                 if (
                     trial.state.name == "RUNNING"
                     and trial.params.get("clients.math.agent") == GOOD
                     and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
-                    and _steps(study_dir / "trials" / f"{trial.number:04d}") <= 4
+                    and run_steps(study_dir / "trials" / f"{trial.number:04d}") <= 4
                 ):
                     return trial.number
             return None
@@ -178,7 +127,7 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
             for job in registry.latest(RunDir(run_dir)).values():
                 kill_tree(int(job.job_id))
 
-    events = _events(study_dir)
+    events = study_events(study_dir)
     kinds = Counter(e["event"] for e in events)
     started = Counter(e["trial"] for e in events if e["event"] == "started")
     assert sorted(started) == [0, 1, 2, 3] and set(started.values()) == {1}, events  # none started twice
@@ -192,7 +141,7 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
     spec, sdir = open_study_dir(study_dir)
     trials = {t.number: t for t in load_study(spec, sdir).get_trials()}
     assert len(trials) == 4
-    assert trials[victim].state.name == "COMPLETE" and _steps(run.root) == 6
+    assert trials[victim].state.name == "COMPLETE" and run_steps(run.root) == 6
     submissions = [j for j in registry.load(run) if j.name == "server-policy"]
     assert len(submissions) == 2  # the first server, and the relaunch
 
@@ -206,7 +155,7 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
             return not any(s.active for job in registry.latest(r).values() for s in task_states(job))
 
         _wait(gone, 60, f"the processes of pruned trial {n} to stop")
-        assert _steps(pruned_run.root) < 6
+        assert run_steps(pruned_run.root) < 6
     for n, t in trials.items():
         if n not in pruned:
             assert t.state.name == "COMPLETE", (n, t.state, events)

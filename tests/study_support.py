@@ -1,0 +1,65 @@
+"""What the study tests share (local and dev cluster): the penalized agent, a grid order, and readers of a
+study's events, Optuna journal and trial steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ajet_hpc.client.api import EpisodeContext
+
+GOOD = "ajet_hpc.agents.arithmetic:solve"
+BAD = "tests.study_support:penalized_arithmetic"
+
+
+def penalized_arithmetic(ctx: EpisodeContext) -> float:
+    """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
+    from ajet_hpc.agents.arithmetic import solve
+
+    return solve(ctx) - 1.0
+
+
+def good_first_seed(seeds: list[int]) -> int:
+    """A grid sampler seed whose order puts the good agent among the first two trials and the bad one
+    among the rest: a bad trial then reaches its rung after a good one did, and successive halving
+    prunes it."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for seed in range(50):
+        sampler = optuna.samplers.GridSampler({"a": [GOOD, BAD], "seed": seeds}, seed=seed)
+        study = optuna.create_study(sampler=sampler)
+        order = []
+        for _ in range(2 * len(seeds)):
+            trial = study.ask()
+            order.append(trial.suggest_categorical("a", [GOOD, BAD]))
+            trial.suggest_categorical("seed", seeds)
+        if GOOD in order[:2] and BAD in order[2:]:
+            return seed
+    raise AssertionError("no sampler seed gives that order")
+
+
+def study_events(study_dir: Path) -> list[dict[str, Any]]:
+    path = study_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def study_journal(study_dir: Path, name: str) -> Any:
+    """The study as Optuna's journal has it now."""
+    import optuna
+
+    from ajet_hpc.study.layout import StudyDir
+    from ajet_hpc.study.search import storage
+
+    return optuna.load_study(study_name=name, storage=storage(StudyDir(study_dir)))
+
+
+def run_steps(run: Path) -> int:
+    """The last step in a trial run's metrics.jsonl (0 before the first)."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
