@@ -109,3 +109,9 @@ def test_without_optuna_the_command_names_the_extra(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "ajet_hpc[study]" in err and "Optuna" in err
     assert not (tmp_path / "study").exists()
+
+
+def test_the_shipped_quickstart_study_validates() -> None:
+    spec, base = load_study(REPO / "configs" / "study_quickstart.yaml")
+    assert base == (REPO / "configs" / "quickstart.yaml").resolve()
+    assert spec.grid_size() == 8 and spec.max_concurrent == 2  # lr × merge mode × 2 seeds
