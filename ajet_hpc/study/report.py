@@ -50,7 +50,7 @@ def write_report(spec: StudySpec, study_dir: StudyDir, colour_by: str | None = N
     lines += ["| rank | configuration | seeds | " + spec.metric.name + " | states |", "|---|---|---|---|---|"]
     for rank, row in enumerate(configs, 1):
         text = " ".join(f"{p.rsplit('.', 1)[-1]}={v}" for p, v in row["params"])
-        lines.append(f"| {rank} | {text} | {row['n']} | {_pm(row['mean'], row['std'])} | {row['states']} |")
+        lines.append(f"| {rank} | {text} | {row['n']} | {_config_value(row)} | {row['states']} |")
     lines += ["", "## Trials", "", f"| trial | parameters | state | step | {spec.metric.name} | notes |"]
     lines.append("|---|---|---|---|---|---|")
     for v in sorted(views, key=lambda v: _sort_key(v.metric, spec.metric.direction)):
@@ -93,7 +93,9 @@ def _summary(spec: StudySpec, views: list[TrialView]) -> list[str]:
 
 def config_table(views: list[TrialView], direction: str) -> list[dict[str, Any]]:
     """One row per configuration: its seeds' metrics' mean and std, best first (pruned and failed trials
-    count in ``states`` but not in the mean)."""
+    count in ``states`` but not in the mean). A configuration none of whose trials completed carries the
+    best value its trials reached before they stopped (``reached``, ``reached_step``) and sorts after
+    every completed one, by that value."""
     groups: dict[tuple, list[TrialView]] = defaultdict(list)
     for v in views:
         groups[v.config_key()].append(v)
@@ -103,6 +105,10 @@ def config_table(views: list[TrialView], direction: str) -> list[dict[str, Any]]
         states: dict[str, int] = defaultdict(int)
         for v in members:
             states[v.state] += 1
+        stopped = [v for v in members if v.metric is not None and not math.isnan(v.metric)]
+        best_stopped = (
+            min(stopped, key=lambda v: _sort_key(v.metric, direction)) if stopped and not values else None
+        )
         rows.append(
             {
                 "params": list(key),
@@ -110,9 +116,17 @@ def config_table(views: list[TrialView], direction: str) -> list[dict[str, Any]]
                 "mean": statistics.fmean(values) if values else None,
                 "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                 "states": ", ".join(f"{n} {s}" for s, n in sorted(states.items())),
+                "reached": best_stopped.metric if best_stopped else None,
+                "reached_step": best_stopped.step if best_stopped else None,
             }
         )
-    return sorted(rows, key=lambda r: _sort_key(r["mean"], direction))
+    return sorted(rows, key=lambda r: (*_sort_key(r["mean"], direction), *_sort_key(r["reached"], direction)))
+
+
+def _config_value(row: dict[str, Any]) -> str:
+    if row["mean"] is None and row["reached"] is not None:
+        return f"- (reached {row['reached']:.4f} at step {row['reached_step']}, none completed)"
+    return _pm(row["mean"], row["std"])
 
 
 def _sort_key(value: float | None, direction: str) -> tuple[int, float]:

@@ -108,3 +108,25 @@ def test_status_is_one_screen(tmp_path: Path, capsys) -> None:
     assert any("pruned" in line and "lr=" in line for line in lines)
     assert any("failed" in line and "out of memory" in line for line in lines)
     assert all(f"{SEED_PARAM}=" in line for line in lines if "lr=" in line and "started" not in line)
+
+
+def test_a_configuration_whose_trials_all_stopped_shows_how_far_they_got() -> None:
+    from ajet_hpc.study.report import _config_value, config_table
+    from ajet_hpc.study.state import TrialView
+
+    def view(number: int, lr: float, seed: int, state: str, step: int, metric: float) -> TrialView:
+        return TrialView(number, {LR: lr, SEED_PARAM: seed}, state, step, metric, 0, "", [])
+
+    views = [
+        view(0, 0.001, 1, "complete", 8, 0.30),
+        view(1, 0.001, 2, "complete", 8, 0.20),
+        view(2, 0.01, 1, "pruned", 3, 0.05),
+        view(3, 0.01, 2, "pruned", 5, 0.12),
+        view(4, 0.1, 1, "failed", 2, 0.01),
+    ]
+    rows = config_table(views, "maximize")
+    assert [dict(r["params"])[LR] for r in rows] == [0.001, 0.01, 0.1]  # completed first, then how far
+    assert _config_value(rows[0]) == "0.2500 ± 0.0707"
+    assert _config_value(rows[1]) == "- (reached 0.1200 at step 5, none completed)"
+    assert rows[1]["states"] == "2 pruned"
+    assert _config_value(rows[2]) == "- (reached 0.0100 at step 2, none completed)"
