@@ -25,13 +25,7 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
     {"status", "cancel", "logs", "cli", "study"},
 ]
 
-KNOWN_UPWARD = {  # (importer, imported): why it is still there
-    (
-        "ajet_hpc.trainer.coordinator",
-        "ajet_hpc.server.watchdog",
-    ): "the coordinator asks the server's watchdog "
-    "whether the engine died, and has it requeue the server (the coordinator runs in the server process)",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}  # (importer, imported): why it is still there
 
 KNOWN_CYCLES = {  # modules that import each other (most through lazy imports)
     frozenset({"ajet_hpc.engine.model_path", "ajet_hpc.engine.tiny", "ajet_hpc.engine.tiny_qwen"}),
