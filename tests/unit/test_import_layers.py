@@ -28,7 +28,6 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}  # (importer, imported): why it is still there
 
 KNOWN_CYCLES = {  # modules that import each other (most through lazy imports)
-    frozenset({"ajet_hpc.engine.vllm_engine", "ajet_hpc.engine.weight_transfer"}),
     frozenset({"ajet_hpc.storage.episode_store", "ajet_hpc.storage.h5_layout", "ajet_hpc.storage.lease"}),
     frozenset({"ajet_hpc.client.runner", "ajet_hpc.client.supervisor"}),
 }
