@@ -29,7 +29,6 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {}  # (importer, imported): why it is
 
 KNOWN_CYCLES = {  # modules that import each other (most through lazy imports)
     frozenset({"ajet_hpc.storage.episode_store", "ajet_hpc.storage.h5_layout", "ajet_hpc.storage.lease"}),
-    frozenset({"ajet_hpc.client.runner", "ajet_hpc.client.supervisor"}),
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import topology_dict
 
-from ajet_hpc.client import discovery, supervisor
+from ajet_hpc.client import discovery, runner, supervisor
 from ajet_hpc.client.api import Task
 from ajet_hpc.client.tasks import assigned_tasks, epochs
 from ajet_hpc.config import ServingConfig, load_topology
@@ -156,8 +156,8 @@ def test_supervisor_gives_up_after_max_restarts_and_marks_the_task_failed(tmp_pa
 def test_supervisor_does_not_restart_a_runner_whose_server_is_gone(tmp_path: Path) -> None:
     run = make_run(tmp_path, max_restarts=3)
     group = run.load_topology().clients[0]
-    command = _script(tmp_path, f"raise SystemExit({supervisor.EXIT_SERVER_GONE})\n")
-    assert supervisor.supervise(run, group, 0, command, delay_s=0) == supervisor.EXIT_SERVER_GONE
+    command = _script(tmp_path, f"raise SystemExit({runner.EXIT_SERVER_GONE})\n")
+    assert supervisor.supervise(run, group, 0, command, delay_s=0) == runner.EXIT_SERVER_GONE
 
 
 def test_status_shows_state_step_last_step_and_reason(tmp_path: Path) -> None:
