@@ -38,7 +38,7 @@ from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.storage.episode_store import StepRecord
+from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
