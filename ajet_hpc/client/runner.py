@@ -48,7 +48,6 @@ from ajet_hpc.client.session import (
     ServerError,
     TrainingFinished,
 )
-from ajet_hpc.client.supervisor import EXIT_SERVER_GONE
 from ajet_hpc.client.tasks import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.config.topology import episode_repeats
@@ -66,6 +65,9 @@ SERVER_ERROR_ATTEMPTS = 4
 """Runs of an episode that a server answers with a 5xx before its task and repeat are given up."""
 SERVER_ERROR_BACKOFF_S = 2.0
 """Pause before the second run after a 5xx; doubled before each next one (2, 4, 8 s by default)."""
+EXIT_SERVER_GONE = 3
+"""The runner stopped because a server failed or stayed away longer than ``clients[].server_wait_s``; its
+supervisor does not start it again."""
 EXIT_STORE_FAILED = 5
 """The runner stopped because its store could not record a result (disk full, quota, lease taken over): it
 runs no episode it cannot record; a restart or requeue of the task resumes from the store's last commit."""

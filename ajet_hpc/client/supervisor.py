@@ -23,14 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from ajet_hpc.client.runner import EXIT_SERVER_GONE, pick_group, resolve_index
 from ajet_hpc.config import ClientGroupConfig
 from ajet_hpc.storage import task_ends
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-EXIT_SERVER_GONE = 3
-"""The runner stopped because a server failed or stayed away longer than ``clients[].server_wait_s``."""
 EXIT_GAVE_UP = 4
 """The supervisor gave up after ``clients[].max_restarts`` restarts of a runner that kept dying."""
 RESTART_DELAY_S = 2.0
@@ -121,7 +120,6 @@ def _handle(signum: int, handler: Callable[[int, object], None]) -> Callable[[],
 
 def run_supervised(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:
     """Entry point of a client array task (``ClientJob``, ``python -m ajet_hpc.client``)."""
-    from ajet_hpc.client.runner import pick_group, resolve_index
     from ajet_hpc.logging_setup import setup_logging
 
     setup_logging()

@@ -16,13 +16,14 @@ BUILTINS = ("tiny", "tiny-qwen")
 
 
 def _build_builtin(name: str, dest: Path) -> Path:
+    """The built-in model ``name`` in ``dest``, written unless it is there (``write_model_folder``)."""
     if name == "tiny":
-        from ajet_hpc.engine.tiny import build_tiny_model
+        from ajet_hpc.engine.tiny import save_tiny_model
 
-        return build_tiny_model(dest)
-    from ajet_hpc.engine.tiny_qwen import build_tiny_qwen_model
+        return write_model_folder(dest, save_tiny_model)
+    from ajet_hpc.engine.tiny_qwen import save_tiny_qwen_model
 
-    return build_tiny_qwen_model(dest)
+    return write_model_folder(dest, save_tiny_qwen_model)
 
 
 def resolve_model(spec: str, cache_dir: Path) -> Path:

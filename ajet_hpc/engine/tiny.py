@@ -97,14 +97,9 @@ def build_model(vocab_size: int, seed: int = 0):
     return model
 
 
-def build_tiny_model(dest: Path, seed: int = 0) -> Path:
-    """Write tokenizer + model to ``dest`` (a folder vLLM, transformers and DeepSpeed load as a model
-    path), built in a temporary sibling and renamed; an existing model there is kept."""
-    from ajet_hpc.engine.model_path import write_model_folder
-
-    def write(folder: Path) -> None:
-        tokenizer = build_tokenizer()
-        tokenizer.save_pretrained(folder)
-        build_model(len(tokenizer), seed).save_pretrained(folder, safe_serialization=True)
-
-    return write_model_folder(Path(dest), write)
+def save_tiny_model(folder: Path, seed: int = 0) -> None:
+    """Write tokenizer + model into ``folder`` (a folder vLLM, transformers and DeepSpeed load as a model
+    path). ``model_path.resolve_model`` calls it on a temporary folder that it then renames."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    build_model(len(tokenizer), seed).save_pretrained(folder, safe_serialization=True)

@@ -19,8 +19,6 @@ import base64
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ajet_hpc.engine.model_path import write_model_folder
-
 if TYPE_CHECKING:
     import tiktoken
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
@@ -176,12 +174,8 @@ def build_model(vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Qwen2ForCausalLM
     return model
 
 
-def build_tiny_qwen_model(dest: Path, seed: int = 0) -> Path:
-    """Write tokenizer + model to ``dest`` (built in a temporary sibling, then renamed); an existing
-    model there is kept."""
-
-    def write(folder: Path) -> None:
-        build_tokenizer().save_pretrained(folder)
-        build_model(VOCAB_SIZE, seed).save_pretrained(folder, safe_serialization=True)
-
-    return write_model_folder(Path(dest), write)
+def save_tiny_qwen_model(folder: Path, seed: int = 0) -> None:
+    """Write tokenizer + model into ``folder``. ``model_path.resolve_model`` calls it on a temporary folder
+    that it then renames."""
+    build_tokenizer().save_pretrained(folder)
+    build_model(VOCAB_SIZE, seed).save_pretrained(folder, safe_serialization=True)

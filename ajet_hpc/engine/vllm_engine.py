@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from ajet_hpc.engine.base import (
     check_prompt,
 )
 from ajet_hpc.engine.model_path import offline_hub
+from ajet_hpc.engine.vllm_signals import STOPPING_VAR
 from ajet_hpc.engine.vllm_worker import EXTENSION as WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
-STOPPING_VAR = "AJET_ENGINE_STOPPING_FILE"
-"""A file that exists once the server stops its engine: until then vLLM's processes ignore SIGTERM."""
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -126,7 +124,7 @@ class VllmEngine(EngineLifecycle):
         settings = self.settings
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kv_cache_gib))
-        # inherited by vLLM's processes (see shield_from_job_signals); created by stop()
+        # inherited by vLLM's processes (see vllm_signals.shield_from_job_signals); created by stop()
         self._stopping = Path(tempfile.mkdtemp(prefix="ajet-engine-")) / "stopping"
         os.environ[STOPPING_VAR] = str(self._stopping)
         dtype: Dtype = settings.dtype if settings.dtype != "auto" else "float32" if on_cpu else "bfloat16"
@@ -386,36 +384,3 @@ def _vllm_params(params: SamplingParams, max_tokens: int, stream: bool) -> Any:
         # incremental detokenizer and the decoding of every logprob's token in the API process
         detokenize=bool(params.stop),
     )
-
-
-def shield_from_job_signals() -> None:
-    """In vLLM's engine core and worker processes (our vLLM plugin calls it there): survive the job's signals.
-
-    Slurm signals every process of a job: USR2 (its checkpoint signal, whose default action kills) and
-    SIGTERM (preemption, cancel, time limit), on which vLLM's processes shut down at once: requests in
-    flight would fail while the server saves its checkpoint. The server stops its engine itself
-    (`VllmEngine.stop`). So USR2 is ignored, and SIGTERM reaches vLLM's own handler only once the server
-    has created its ``STOPPING_VAR`` file, just before vLLM's shutdown sends its SIGTERM. vLLM installs
-    its handlers before it loads plugins, so this wraps them. Does nothing in any other process."""
-    import multiprocessing
-    import threading
-
-    stopping = os.environ.get(STOPPING_VAR)
-    if stopping is None or multiprocessing.parent_process() is None:
-        return
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum, frame) -> None:
-        if not os.path.exists(stopping):
-            log.info("vLLM process %d: ignoring SIGTERM (the server stops its engine itself)", os.getpid())
-            return
-        if callable(previous):
-            previous(signum, frame)
-            return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_term)

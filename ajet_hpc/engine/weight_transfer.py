@@ -34,6 +34,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ajet_hpc.engine.vllm_signals import shield_from_job_signals
+
 log = logging.getLogger(__name__)
 
 BACKEND = "ajet_gloo"
@@ -335,9 +337,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 def register() -> None:
     """Register ``ajet_gloo`` with vLLM's worker and trainer factories (idempotent); in vLLM's own
-    processes, also ignore the job's signals (`vllm_engine.shield_from_job_signals`)."""
-    from ajet_hpc.engine.vllm_engine import shield_from_job_signals
-
+    processes, also ignore the job's signals (`vllm_signals.shield_from_job_signals`)."""
     shield_from_job_signals()
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,

@@ -21,7 +21,7 @@ from typing import Any
 
 from ajet_hpc.inspect.run import InspectError
 from ajet_hpc.inspect.views import fmt, fmt_time, fmt_versions, printable, table
-from ajet_hpc.storage.episode_store import EpisodeRecord
+from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.timeline import AUTHOR_NAMES, MODEL, Timeline
 
 RESET = "\033[0m"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ajet_hpc.config import ConfigError, Topology
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord
+from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 from ajet_hpc.trainer.metrics import read_rows
 

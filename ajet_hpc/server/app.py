@@ -108,6 +108,17 @@ class ServerContext:
         if self.on_failed is not None:
             self.on_failed()
 
+    def engine_failure(self) -> str | None:
+        """Why the engine cannot serve any more (its process died), or None while it is fine
+        (``watchdog.engine_failure``); the coordinator asks when a training step fails."""
+        return watchdog.engine_failure(self.engine)
+
+    def engine_died(self, why: str) -> None:
+        """Checkpoint the trainer, then requeue this job, or fail the server where it cannot requeue
+        (``watchdog.engine_died``; once: later calls do nothing). The coordinator calls it when a step
+        failed with the engine dead."""
+        watchdog.engine_died(self, why)
+
     def finish_training(self, reason: str | None = None) -> None:
         """Training is complete (``reason``: why it ended before ``total_steps``). Alone, the server
         finishes (clients stop). When client groups also use other trainable servers ("partners"), it

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ajet_hpc.config.topology import StoreConfig
-from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRecord, UnstorableRecord
+from ajet_hpc.storage.episode_store import EpisodeWriter, UnstorableRecord
+from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 
 log = logging.getLogger(__name__)
 _STOP = object()

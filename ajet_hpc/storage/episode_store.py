@@ -6,7 +6,8 @@ also while the server writes: the file is in HDF5 SWMR mode. An append is commit
 data written, flushed and fsynced, then the ``commit`` counter written and flushed. ``append_records``
 commits several records as one group (one fsync for all: what makes a busy server's recorder cheap; the
 group is committed all or nothing). Readers see only what the counter covers; a writer reopening the file
-after a crash shrinks every dataset back to it. The layout and its reasons: :mod:`ajet_hpc.storage.h5_layout`,
+after a crash shrinks every dataset back to it. The records it takes and gives back, and their
+encoding: :mod:`ajet_hpc.storage.records`; the layout and its reasons: :mod:`ajet_hpc.storage.h5_layout`,
 docs/storage.md.
 """
 
@@ -21,9 +22,9 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h5py
 import numpy as np
@@ -36,7 +37,6 @@ from ajet_hpc.storage.h5_layout import (
     SEALED,
     SPACES,
     TAIL,
-    Append,
     SealedColumn,
     SealedReader,
     StoreError,
@@ -45,10 +45,6 @@ from ajet_hpc.storage.h5_layout import (
     clear_write_flags,
     commit_check,
     create_file,
-    encode_episode,
-    encode_step,
-    id_hash,
-    join_appends,
     open_file,
     open_for_read,
     open_uncached,
@@ -57,17 +53,21 @@ from ajet_hpc.storage.h5_layout import (
     writer_identity,
 )
 from ajet_hpc.storage.lease import HeldLease, Lease, LeaseLost, LeaseTiming, acquire_lease, close_detached
+from ajet_hpc.storage.records import (
+    Append,
+    EpisodeRecord,
+    StepRecord,
+    encode_episode,
+    encode_step,
+    id_hash,
+    join_appends,
+)
 from ajet_hpc.tracking.timeline import DriftEvent, Timeline
-
-if TYPE_CHECKING:
-    from ajet_hpc.tracking.episode import EpisodeData
 
 __all__ = [
     "LAYOUT_VERSION",
     "EpisodeReader",
-    "EpisodeRecord",
     "EpisodeWriter",
-    "StepRecord",
     "StoreError",
     "UnstorableRecord",
     "WriterStats",
@@ -78,51 +78,6 @@ log = logging.getLogger(__name__)
 _SPACE = {space: i for i, space in enumerate(SPACES)}
 _BATCH = 8192  # episodes / steps parsed per read when building summaries
 _COMPRESS_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # threads compressing a group's chunks
-
-
-@dataclass
-class EpisodeRecord:
-    """What the server hands over when an episode closes (and what the reader gives back)."""
-
-    episode_id: str
-    model: str
-    task_id: str | None
-    group: str | None
-    state: str  # finished / aborted / dropped
-    reward: float | None
-    turn_rewards: list[float] | None
-    reason: str | None
-    metadata: dict[str, Any]
-    started_at: float
-    ended_at: float
-    timelines: list[Timeline]
-
-    @classmethod
-    def from_episode(cls, episode: EpisodeData) -> EpisodeRecord:
-        """From a closed :class:`~ajet_hpc.server.episodes.Episode`; cheap (timelines shared, not copied)."""
-        return cls(
-            episode_id=episode.episode_id,
-            model=episode.model,
-            task_id=episode.task_id,
-            group=episode.group,
-            state=episode.state,
-            reward=episode.reward,
-            turn_rewards=list(episode.turn_rewards) if episode.turn_rewards is not None else None,
-            reason=episode.reason,
-            metadata=dict(episode.metadata),
-            started_at=episode.started_at,
-            ended_at=episode.ended_at if episode.ended_at is not None else time.time(),
-            timelines=list(episode.timelines),
-        )
-
-
-@dataclass
-class StepRecord:
-    """One training step: its metrics row and the samples of its batch."""
-
-    step: int
-    metrics: dict[str, Any]
-    samples: list[Sample] = field(default_factory=list)
 
 
 class UnstorableRecord(StoreError):

@@ -18,38 +18,28 @@ kinds of dataset:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
-import itertools
 import json
 import logging
 import math
 import os
 import socket
-import struct
 import time
 import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h5py
 import numpy as np
 
 from ajet_hpc.storage.files import fsync_dir, pid_alive
-from ajet_hpc.tracking.episode import EpisodeState
-
-if TYPE_CHECKING:
-    from ajet_hpc.algo.samples import Sample
-    from ajet_hpc.storage.episode_store import EpisodeRecord, StepRecord
 
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 TAIL = "_tail"
-CLOSED_STATES = EpisodeState.closed()
 DEFLATE_LEVEL = (
     1  # docs/storage.md: level 4 (layout 1 files written before 2026-12-01) is 5-13% smaller, 1.7x slower
 )
@@ -622,271 +612,3 @@ class SealedReader:
         base = (sealed % 2) * self.chunk - edge
         parts.append(self.tail[base + max(start, edge) : base + stop])
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), sealed
-
-
-# --------------------------------------------------------------------------- records onto the layout
-@dataclass
-class Append:
-    """One append, encoded before the file is touched: elements per space, rows, offsets, column values."""
-
-    counts: dict[str, int]
-    rows: dict[str, np.ndarray]
-    lengths: dict[str, np.ndarray]  # offsets dataset -> length of each new row in its target space
-    columns: dict[str, np.ndarray]
-
-
-def join_appends(appends: list[Append], *, columns: bool = True) -> Append:
-    """Several appends as one (a commit group): counts summed, rows, offsets' lengths and (unless
-    ``columns`` is False: the writer stages them record by record) column values concatenated in order.
-    Episodes and steps may be mixed (their spaces are disjoint)."""
-    if len(appends) == 1 and columns:
-        return appends[0]
-    counts: dict[str, int] = {}
-    rows: dict[str, list[np.ndarray]] = {}
-    lengths: dict[str, list[np.ndarray]] = {}
-    values: dict[str, list[np.ndarray]] = {}
-    for append in appends:
-        for space, n in append.counts.items():
-            counts[space] = counts.get(space, 0) + n
-        parts = [(rows, append.rows), (lengths, append.lengths)] + [(values, append.columns)] * columns
-        for out, part in parts:
-            for name, array in part.items():
-                out.setdefault(name, []).append(array)
-    return Append(
-        counts=counts,
-        rows={name: np.concatenate(parts) for name, parts in rows.items()},
-        lengths={name: np.concatenate(parts) for name, parts in lengths.items()},
-        columns={name: np.concatenate(parts) for name, parts in values.items()},
-    )
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=lambda v: _plain(v))
-
-
-def _json(value: Any) -> bytes:
-    return _ENCODER.encode(value).encode()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic | np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
-    """``parts`` (lists or arrays) as one array of ``dtype``. Lists of token ids, masks and authors take a
-    C path (``struct.pack`` / ``bytes``, 2-3x faster than numpy's conversion of Python ints, the largest
-    part of an episode's encoding); anything that path would read differently (floats, negative or large
-    values) falls back to numpy, so the result is numpy's either way."""
-    if parts and all(type(p) is list for p in parts):
-        with contextlib.suppress(struct.error, TypeError, ValueError, OverflowError):
-            if np.dtype(dtype) == np.int32:
-                n = sum(map(len, parts))  # raises on floats (numpy would truncate them) and on overflow:
-                return np.frombuffer(struct.pack(f"<{n}i", *itertools.chain.from_iterable(parts)), np.int32)
-            if np.dtype(dtype) == np.int8:
-                out = np.frombuffer(b"".join(map(bytes, parts)), np.int8)  # raises outside 0..255, on floats
-                if len(out) == 0 or out.min() >= 0:  # 128..255 would read back negative: numpy's call
-                    return out
-    return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
-
-
-_JSON_TYPES = (str, int, bool, type(None))
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    """True when ``a`` and ``b`` certainly encode to the same JSON text: the same plain types all the way
-    down, equal, dict keys (strings) in the same order. Stricter than ``==`` (which holds for 1, 1.0 and
-    True, for 0.0 and -0.0, and for dicts in another order); anything else (a float that is not exactly the
-    same, another type) says False and is just encoded again."""
-    if a is b:
-        return True
-    kind = type(a)
-    if kind is not type(b):
-        return False
-    if kind is str or kind is int or kind is bool:
-        return a == b
-    if kind is float:
-        return a.hex() == b.hex()  # 0.0 and -0.0 differ; nan (not == itself) matches nan here
-    if kind is dict:
-        if len(a) != len(b):
-            return False
-        for (key, x), (other, y) in zip(a.items(), b.items(), strict=True):
-            if type(key) is not str or key != other:
-                return False
-            if x is y:
-                continue
-            if type(x) is str:
-                if type(y) is not str or x != y:
-                    return False
-            elif not _same_json(x, y):
-                return False
-        return True
-    if kind is list or kind is tuple:
-        if len(a) != len(b):
-            return False
-        return all(x is y or _same_json(x, y) for x, y in zip(a, b, strict=True))
-    return False
-
-
-def _timeline_json(timelines: list[Any]) -> list[bytes]:
-    """The JSON record of each timeline: ``_json`` of its messages, tools, finish reason, drift and reused
-    spans, byte for byte. Timeline k of an episode repeats the messages of timeline k-1 (each call re-sends
-    the conversation): a message that is the same (``_same_json``) as the previous timeline's at that
-    position is not encoded again, its text is reused, so an episode's messages are encoded about once
-    instead of once per call (the largest part of an episode's encoding); the same for a tools list that is
-    the previous timeline's own object."""
-    out = []
-    prev_messages: list[Any] = []
-    prev_texts: list[str] = []
-    prev_tools: Any = _timeline_json  # matches no tools value
-    tools_text = ""
-    for t in timelines:
-        messages = t.messages
-        if type(messages) is not list:
-            texts = None
-        else:
-            texts = [
-                prev_texts[i]
-                if i < len(prev_messages) and _same_json(m, prev_messages[i])
-                else _ENCODER.encode(m)
-                for i, m in enumerate(messages)
-            ]
-        if t.tools is not prev_tools:  # (comparing deep tool schemas costs more than encoding them)
-            tools_text = _ENCODER.encode(t.tools)
-        rest = _ENCODER.encode(
-            {
-                "finish_reason": t.finish_reason,
-                "drift": [
-                    {"message_index": d.message_index, "kind": d.kind, "detail": d.detail} for d in t.drift
-                ],
-                "reused_spans": [[int(a), int(b)] for a, b in t.reused_spans],
-            }
-        )
-        messages_text = _ENCODER.encode(messages) if texts is None else "[" + ",".join(texts) + "]"
-        out.append(f'{{"messages":{messages_text},"tools":{tools_text},{rest[1:]}'.encode())
-        prev_messages, prev_texts = (messages, texts) if texts is not None else ([], [])
-        prev_tools = t.tools
-    return out
-
-
-def id_hash(episode_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little")
-
-
-def encode_episode(record: EpisodeRecord) -> Append:
-    """An episode as rows, offsets and column values (raises ValueError / TypeError if it cannot be)."""
-    if record.state not in CLOSED_STATES:
-        raise ValueError(
-            f"state {record.state!r}: only closed episodes ({', '.join(CLOSED_STATES)}) are stored"
-        )
-    timelines = record.timelines
-    prompt = [len(t.prompt_ids) for t in timelines]
-    lengths = [p + len(t.response_ids) for p, t in zip(prompt, timelines, strict=True)]
-    for i, (t, n) in enumerate(zip(timelines, lengths, strict=True)):
-        if (
-            len(t.token_authors) != n
-            or len(t.loss_mask) != n
-            or len(t.response_logprobs) != len(t.response_ids)
-        ):
-            raise ValueError(f"timeline {i} has authors, loss mask or logprobs of the wrong length")
-    logprobs = np.zeros(sum(lengths), np.float32)
-    for start, p, n, t in zip(np.cumsum([0, *lengths]).tolist(), prompt, lengths, timelines, strict=False):
-        logprobs[start + p : start + n] = t.response_logprobs
-    timeline_json = _timeline_json(timelines)
-    episode_json = _json(
-        {
-            "episode_id": record.episode_id,
-            "model": record.model,
-            "task_id": record.task_id,
-            "group": record.group,
-            "state": record.state,
-            "reason": record.reason,
-            "metadata": record.metadata,
-            "turn_rewards": record.turn_rewards,
-        }
-    )
-    reward = math.nan if record.reward is None else float(record.reward)
-    episode_row = np.array(
-        [(reward, record.started_at, record.ended_at, id_hash(record.episode_id))], ROWS["episodes"]
-    )
-    timeline_rows = np.array(
-        [
-            (p, len(t.drift), t.policy_version, t.started_at, t.finished_at)
-            for p, t in zip(prompt, timelines, strict=True)
-        ],
-        ROWS["timelines"],
-    )
-    joined = b"".join(timeline_json)
-    return Append(
-        counts={
-            "episodes": 1,
-            "timelines": len(timelines),
-            "tokens": len(logprobs),
-            "episode_json": len(episode_json),
-            "timeline_json": len(joined),
-        },
-        rows={"episodes": episode_row, "timelines": timeline_rows},
-        lengths={
-            "episode_timeline_offsets": np.array([len(timelines)]),
-            "episode_json_offsets": np.array([len(episode_json)]),
-            "timeline_offsets": np.array(lengths, np.int64),
-            "timeline_json_offsets": np.array([len(j) for j in timeline_json], np.int64),
-        },
-        columns={
-            "tokens": _cat([x for t in timelines for x in (t.prompt_ids, t.response_ids)], np.int32),
-            "logprobs": logprobs,
-            "loss_mask": _cat([t.loss_mask for t in timelines], np.int8),
-            "authors": _cat([t.token_authors for t in timelines], np.int8),
-            "episode_json": np.frombuffer(episode_json, np.uint8),
-            "timeline_json": np.frombuffer(joined, np.uint8),
-        },
-    )
-
-
-def sample_extras(sample: Sample) -> dict:
-    """What a sample's JSON record holds besides its token columns (optional keys only when set)."""
-    extras: dict = {"episode_id": sample.episode_id, "task_id": sample.task_id, "calls": list(sample.calls)}
-    if sample.weights is not None:
-        extras["weights"] = list(sample.weights)
-    if sample.parents is not None:
-        extras["parents"] = list(sample.parents)
-    return extras
-
-
-def encode_step(record: StepRecord) -> Append:
-    """A training step as rows, offsets and column values."""
-    samples = record.samples
-    lengths = np.array([len(s.token_ids) for s in samples], np.int64)
-    for i, (s, n) in enumerate(zip(samples, lengths.tolist(), strict=True)):
-        if not len(s.loss_mask) == len(s.advantages) == len(s.old_logprobs) == n:
-            raise ValueError(f"sample {i} has loss mask, advantages or old logprobs of the wrong length")
-    sample_json = [_json(sample_extras(s)) for s in samples]
-    step_json = _json({"metrics": record.metrics})
-    joined = b"".join(sample_json)
-    return Append(
-        counts={
-            "steps": 1,
-            "samples": len(samples),
-            "sample_tokens": int(lengths.sum()),
-            "step_json": len(step_json),
-            "sample_json": len(joined),
-        },
-        rows={
-            "steps": np.array([(int(record.step),)], ROWS["steps"]),
-            "samples": np.array([(s.policy_version, s.weight) for s in samples], ROWS["samples"]),
-        },
-        lengths={
-            "step_sample_offsets": np.array([len(samples)]),
-            "step_json_offsets": np.array([len(step_json)]),
-            "sample_token_offsets": lengths,
-            "sample_json_offsets": np.array([len(j) for j in sample_json], np.int64),
-        },
-        columns={
-            "sample_tokens": _cat([s.token_ids for s in samples], np.int32),
-            "sample_loss_mask": _cat([s.loss_mask for s in samples], np.int8),
-            "sample_advantages": _cat([s.advantages for s in samples], np.float32),
-            "sample_old_logprobs": _cat([s.old_logprobs for s in samples], np.float32),
-            "step_json": np.frombuffer(step_json, np.uint8),
-            "sample_json": np.frombuffer(joined, np.uint8),
-        },
-    )

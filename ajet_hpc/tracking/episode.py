@@ -1,7 +1,7 @@
 """What every layer knows about an episode: its states, its key, and what a closed one offers to read.
 
 The server owns the live episode (``ajet_hpc.server.episodes.Episode``, with its context tracker); the
-store writes closed ones and gives back ``EpisodeRecord`` (``ajet_hpc.storage.episode_store``); the
+store writes closed ones and gives back ``EpisodeRecord`` (``ajet_hpc.storage.records``); the
 trainer's collector and sample builder take either. They meet here, below all three, so that neither the
 trainer nor the store imports the server.
 """

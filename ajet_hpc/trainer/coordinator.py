@@ -38,8 +38,7 @@ from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.server import watchdog
-from ajet_hpc.storage.episode_store import StepRecord
+from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
@@ -108,7 +107,7 @@ class Coordinator:
         return self.config
 
     async def run(self) -> None:
-        """Train to the end. On an error the watchdog decides (``ajet_hpc.server.watchdog``): a dead engine
+        """Train to the end. On an error the server's watchdog decides (``ctx.engine_died``): a dead engine
         checkpoints and requeues the job; anything else fails the server, which then stops (it never
         serves an untrained model to the end of its allocation)."""
         try:
@@ -116,10 +115,10 @@ class Coordinator:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            engine_dead = watchdog.engine_failure(self.ctx.engine)
+            engine_dead = self.ctx.engine_failure()
             if engine_dead is not None:
                 log.error("training step failed with the engine dead: %s", exc)
-                watchdog.engine_died(self.ctx, engine_dead)  # checkpoints while the ranks still run
+                self.ctx.engine_died(engine_dead)  # checkpoints while the ranks still run
                 return
             log.exception("training stopped by an error")
             reason = str(exc) if isinstance(exc, TrainingGaveUp) else f"training stopped: {exc!r}"
@@ -156,7 +155,7 @@ class Coordinator:
                         continue  # nothing in the batch could be built: the next batch trains this step
                     failures = 0
                 except TrainerFailed as error:
-                    if watchdog.engine_failure(self.ctx.engine) is not None:
+                    if self.ctx.engine_failure() is not None:
                         raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
                     self._restarting(error, failures)

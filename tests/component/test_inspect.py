@@ -19,7 +19,8 @@ from ajet_hpc.config import dump_topology, load_topology
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.inspect.cli import main
 from ajet_hpc.inspect.run import Run
-from ajet_hpc.storage.episode_store import EpisodeRecord, EpisodeWriter, StepRecord
+from ajet_hpc.storage.episode_store import EpisodeWriter
+from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 from ajet_hpc.tracking.context import ContextTracker
 from ajet_hpc.tracking.timeline import Timeline
 

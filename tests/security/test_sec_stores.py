@@ -18,9 +18,10 @@ import pytest
 from support import fill_disk, tmpfs
 
 from ajet_hpc.storage.client_store import ClientStore, Result, read_results
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter, StoreError
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter, StoreError
 from ajet_hpc.storage.h5_layout import lookup3, read_superblock
 from ajet_hpc.storage.lease import LeaseTiming
+from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.timeline import MODEL, USER, Timeline
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,15 +20,9 @@ import pytest
 from ajet_hpc.algo.samples import Sample
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.storage import episode_store
-from ajet_hpc.storage.episode_store import (
-    LAYOUT_VERSION,
-    EpisodeReader,
-    EpisodeRecord,
-    EpisodeWriter,
-    StepRecord,
-    StoreError,
-)
+from ajet_hpc.storage.episode_store import LAYOUT_VERSION, EpisodeReader, EpisodeWriter, StoreError
 from ajet_hpc.storage.lease import LeaseTiming, lease_path, read_lease
+from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, DriftEvent, Timeline
 
 HERE = Path(__file__).resolve().parent

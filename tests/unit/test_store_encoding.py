@@ -1,4 +1,4 @@
-"""The episode encoder (``h5_layout.encode_episode``) against the slow reference it replaced (issue 17: the
+"""The episode encoder (``records.encode_episode``) against the slow reference it replaced (issue 17: the
 recorder's CPU time): each timeline's messages were JSON-encoded whole, though timeline k repeats the
 messages of timeline k-1; now a message the same as the previous timeline's is encoded once and its text
 reused. The reference (the encoder as of 2026-11-30) is kept here, and random episodes, built to hit what
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ajet_hpc.storage.episode_store import EpisodeRecord
-from ajet_hpc.storage.h5_layout import ROWS, Append, encode_episode, id_hash
+from ajet_hpc.storage.h5_layout import ROWS
+from ajet_hpc.storage.records import Append, EpisodeRecord, encode_episode, id_hash
 from ajet_hpc.tracking.timeline import DriftEvent, Timeline
 
 

@@ -21,15 +21,9 @@ import pytest
 from test_episode_store import make_record, make_step
 
 from ajet_hpc.storage import episode_store
-from ajet_hpc.storage.episode_store import (
-    EpisodeReader,
-    EpisodeRecord,
-    EpisodeWriter,
-    StepRecord,
-    StoreError,
-    UnstorableRecord,
-)
-from ajet_hpc.storage.h5_layout import OFFSETS, ROWS, _cat
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter, StoreError, UnstorableRecord
+from ajet_hpc.storage.h5_layout import OFFSETS, ROWS
+from ajet_hpc.storage.records import EpisodeRecord, StepRecord, _cat
 
 
 def _records(rng: random.Random, n: int) -> list[EpisodeRecord | StepRecord]:

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from test_episode_store import make_record, make_step
 
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter, StepRecord
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter
 from ajet_hpc.storage.h5_layout import SEALED, SPACES
+from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "storage.md"
 MARKER = "<!-- plain-h5py example:"

@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 from support import topology_dict
 
-from ajet_hpc.client import discovery, supervisor
+from ajet_hpc.client import discovery, runner, supervisor
 from ajet_hpc.client.api import Task
 from ajet_hpc.client.tasks import assigned_tasks, epochs
-from ajet_hpc.config import load_topology
+from ajet_hpc.config import ServingConfig, load_topology
 from ajet_hpc.config.errors import ConfigError
+from ajet_hpc.engine.transformers_engine import TransformersEngine
 from ajet_hpc.launch.control import describe_servers
+from ajet_hpc.server import preemption
+from ajet_hpc.server.app import ServerContext
+from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer import metrics
@@ -152,8 +156,8 @@ def test_supervisor_gives_up_after_max_restarts_and_marks_the_task_failed(tmp_pa
 def test_supervisor_does_not_restart_a_runner_whose_server_is_gone(tmp_path: Path) -> None:
     run = make_run(tmp_path, max_restarts=3)
     group = run.load_topology().clients[0]
-    command = _script(tmp_path, f"raise SystemExit({supervisor.EXIT_SERVER_GONE})\n")
-    assert supervisor.supervise(run, group, 0, command, delay_s=0) == supervisor.EXIT_SERVER_GONE
+    command = _script(tmp_path, f"raise SystemExit({runner.EXIT_SERVER_GONE})\n")
+    assert supervisor.supervise(run, group, 0, command, delay_s=0) == runner.EXIT_SERVER_GONE
 
 
 def test_status_shows_state_step_last_step_and_reason(tmp_path: Path) -> None:
@@ -168,3 +172,35 @@ def test_status_shows_state_step_last_step_and_reason(tmp_path: Path) -> None:
     line, reason = describe_servers(run, now=1030.0)
     assert "failed" in line and "step 7/20" in line and "(30s ago)" in line and "job 12 on g1" in line
     assert reason.split() == ["reason:", "trainer", "ranks", "failed", "4", "time(s)"]
+
+
+@pytest.mark.parametrize("on_slurm", [True, False])
+def test_the_server_context_saves_once_and_requeues_its_job_when_the_engine_died(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_slurm: bool
+) -> None:
+    """What the coordinator calls when a step fails with the engine dead (``ctx.engine_died``): the save
+    hooks run once, then the job requeues itself; where it cannot (off Slurm) the server fails instead."""
+    requeued: list[str] = []
+    monkeypatch.setattr(slurmcli, "requeue", requeued.append)  # scontrol is the cluster's
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if on_slurm:
+        monkeypatch.setenv("SLURM_JOB_ID", "42")
+    engine = TransformersEngine(tmp_path / "model")  # not started: it is only asked whether it died
+    ctx = ServerContext(name="policy", engine=engine, settings=ServingConfig(), secret="s" * 32)
+    saves: list[float] = []
+    preemption.reset()
+    unregister = preemption.on_signal(saves.append)
+    try:
+        assert ctx.engine_failure() is None  # transformers runs in the server's process: it never dies apart
+        ctx.engine_died("vLLM's engine core process died")
+        ctx.engine_died("again")  # once: later calls do nothing
+    finally:
+        unregister()
+        preemption.reset()
+    assert ctx.engine_lost == "vLLM's engine core process died" and len(saves) == 1
+    if on_slurm:
+        assert requeued == ["42"] and not ctx.failed
+    else:
+        assert requeued == [] and ctx.failed and ctx.state == "failed"
+        assert ctx.reason is not None and "could not requeue itself (not a Slurm job" in ctx.reason

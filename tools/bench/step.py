@@ -76,8 +76,7 @@ from ajet_hpc.algo.detokenize import TokenText  # noqa: E402
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
 from ajet_hpc.server.episodes import FINISHED, Episode  # noqa: E402
-from ajet_hpc.storage.episode_store import StepRecord  # noqa: E402
-from ajet_hpc.storage.h5_layout import encode_step  # noqa: E402
+from ajet_hpc.storage.records import StepRecord, encode_step  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402

@@ -47,7 +47,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ajet_hpc.server.recorder import EpisodeRecorder  # noqa: E402
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeRecord, EpisodeWriter  # noqa: E402
+from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter  # noqa: E402
+from ajet_hpc.storage.records import EpisodeRecord  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 
 VOCAB = 50_000
