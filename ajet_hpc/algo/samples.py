@@ -95,12 +95,17 @@ def as_list(values: Sequence | np.ndarray) -> list:
 
 def as_arrays(sample: Sample) -> Sample:
     """``sample`` with every per-token field a numpy array of its `ARRAY_TYPES` dtype (in place; an array of
-    that dtype is kept as it is). The trainer's build ends with it: the batch file and the step record then
-    cast arrays instead of converting a Python number per token, once each."""
+    that dtype is kept as it is, or copied when it is a view of a larger array, which it would keep alive).
+    The trainer's build ends with it: the batch file and the step record then cast arrays instead of
+    converting a Python number per token, once each."""
     for name, kind in ARRAY_TYPES.items():
         value = getattr(sample, name)
-        if value is not None and not (isinstance(value, np.ndarray) and value.dtype == kind):
+        if value is None:
+            continue
+        if not (isinstance(value, np.ndarray) and value.dtype == kind):
             setattr(sample, name, _array(value, kind))
+        elif isinstance(value.base, np.ndarray):  # a call sample's view of its task group's zeros
+            setattr(sample, name, value.copy())
     return sample
 
 
