@@ -24,11 +24,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ajet_hpc.algo.detokenize import TokenText
-from ajet_hpc.algo.samples import Sample, mask_runs
+from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_list, mask_runs
 
 TOKEN, TEXT = "token", "text"
 
@@ -65,35 +66,54 @@ class Snap:
 class _Merged:
     """A sample being built: the longest call of a chain and the calls absorbed into it.
 
-    It reads its first sample's lists until it changes them (`own` copies them then): most forks absorb
-    nothing, and one that stays as it came is returned as the very sample it was."""
+    It reads its first sample's fields until it changes them (`own` copies them then): most forks absorb
+    nothing, and one that stays as it came is returned as the very sample it was. Token ids are read as a
+    list (prefixes are compared as lists); the other per-token fields stay numpy arrays when the first
+    sample's loss mask is one (as the trainer's call samples are: an absorbed answer is then a slice
+    assignment, with nothing converted per token), else lists."""
 
     def __init__(self, sample: Sample) -> None:
         self.source = sample
-        self.token_ids = sample.token_ids
-        self.loss_mask = sample.loss_mask
-        self.old_logprobs = sample.old_logprobs
-        self.advantages = sample.advantages
-        self.weights: list[float] = []  # set by own()
+        self.arrays = isinstance(sample.loss_mask, np.ndarray)
+        self.token_ids: list[int] = sample.token_ids if isinstance(sample.token_ids, list) else []
+        self.loss_mask: Any = sample.loss_mask
+        self.old_logprobs: Any = sample.old_logprobs
+        self.advantages: Any = sample.advantages
+        self.weights: Any = []  # set by own()
         self.policy_version = sample.policy_version
         self.calls = list(sample.calls)
         self.text: str | None = None
         self.text_ids: list[int] | None = None  # the ids `text` is (or would be) the decode of
         self.owned = False
-        if not all(
-            isinstance(x, list) for x in (self.token_ids, self.loss_mask, self.old_logprobs, self.advantages)
+        if self.arrays:
+            fields = (sample.old_logprobs, sample.advantages)
+            if not isinstance(sample.token_ids, list) or not all(isinstance(x, np.ndarray) for x in fields):
+                self.own()
+        elif not all(
+            isinstance(x, list)
+            for x in (sample.token_ids, sample.loss_mask, sample.old_logprobs, sample.advantages)
         ):
             self.own()  # read as lists, as the copies were
 
     def own(self) -> None:
-        """Copy the first sample's lists before the first change."""
+        """Copy the first sample's fields before the first change."""
         if not self.owned:
             sample = self.source
-            self.token_ids = list(sample.token_ids)
-            self.loss_mask = list(sample.loss_mask)
-            self.old_logprobs = list(sample.old_logprobs)
-            self.advantages = list(sample.advantages)
-            self.weights = token_weights(sample)
+            self.token_ids = as_list(sample.token_ids)  # never changed in place (a text merge replaces it)
+            if self.arrays:
+                self.loss_mask = np.array(sample.loss_mask, ARRAY_TYPES["loss_mask"])
+                self.old_logprobs = np.array(sample.old_logprobs, np.float64)
+                self.advantages = np.array(sample.advantages, np.float64)
+                self.weights = (
+                    np.array(sample.weights, np.float64)
+                    if sample.weights is not None
+                    else np.full(len(sample), sample.weight, np.float64)
+                )
+            else:
+                self.loss_mask = list(sample.loss_mask)
+                self.old_logprobs = list(sample.old_logprobs)
+                self.advantages = list(sample.advantages)
+                self.weights = token_weights(sample)
             self.owned = True
 
     def sample(self) -> Sample:
@@ -108,7 +128,11 @@ class _Merged:
         self.own()
         first = self.weights[0]
         # list.count compares in C (identity, then ==); a NaN weight is never uniform, as with ==
-        uniform = first == first and self.weights.count(first) == len(self.weights)
+        if self.arrays:
+            first = float(first)
+            uniform = first == first and bool((self.weights == first).all())
+        else:
+            uniform = first == first and self.weights.count(first) == len(self.weights)
         return Sample(
             token_ids=self.token_ids,
             loss_mask=self.loss_mask,
@@ -125,7 +149,7 @@ class _Merged:
 
 def token_weights(sample: Sample) -> list[float]:
     """The loss weight of each token of ``sample`` (its per-token weights, else its weight everywhere)."""
-    return list(sample.weights) if sample.weights is not None else [sample.weight] * len(sample)
+    return list(as_list(sample.weights)) if sample.weights is not None else [sample.weight] * len(sample)
 
 
 class _Candidate:
@@ -134,6 +158,7 @@ class _Candidate:
 
     def __init__(self, sample: Sample) -> None:
         self.sample = sample
+        self.ids = as_list(sample.token_ids)
         self.runs = mask_runs(sample.loss_mask)
         self.text: str | None = None
 
@@ -192,9 +217,11 @@ def _prefix_end(
     as it was. With a `TokenText` that knows where its decode splits (``joins``), only the tokens from
     (about) where the two calls part are decoded: both texts are the shared prefix's text followed by the
     decode of the rest (`_split`), so the comparison is between the rests (`_starts_with`)."""
-    ids = candidate.sample.token_ids
+    ids = candidate.ids
     n = len(ids)
-    if n <= len(target.token_ids) and target.token_ids[:n] == ids:
+    # the last token first: a fork that parts before it is turned down without copying the prefix
+    fits = n <= len(target.token_ids) and (n == 0 or target.token_ids[n - 1] == ids[-1])
+    if fits and target.token_ids[:n] == ids:
         return n, True
     if level != TEXT or decode is None:
         return None, False
@@ -208,7 +235,7 @@ def _prefix_end(
             target.text = decode(target.text_ids)
         if not target.text.startswith(candidate.text):
             return None, False
-    elif not text_is_prefix(list(ids), target.text_ids, decode):
+    elif not text_is_prefix(ids, target.text_ids, decode):
         return None, False
     return _text_cut(candidate, target.token_ids, decode, joins), False
 
@@ -287,7 +314,7 @@ def _text_cut(
     confirmed, stepping over the tokens of a character split into bytes (its partial prefixes decode to as
     many characters, a replacement character last): a cut never ends inside a character.
     """
-    ids = list(candidate.sample.token_ids)
+    ids = candidate.ids
     d = common_prefix(ids, target)
     tail = decode(ids[d:])
     need = len(tail)
@@ -332,7 +359,7 @@ def _text_cut(
 
 def _text_of(candidate: _Candidate, decode: Callable[[list[int]], str]) -> str:
     if candidate.text is None:
-        candidate.text = decode(list(candidate.sample.token_ids))
+        candidate.text = decode(candidate.ids)
     return candidate.text
 
 
@@ -371,31 +398,52 @@ def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Sn
     sample = candidate.sample
     n = len(sample.token_ids)
     if exact:
-        if any(any(target.loss_mask[a:b]) for a, b in candidate.runs):
+        if any(_trains(target.loss_mask, a, b) for a, b in candidate.runs):
             return Snap(sample.episode_id, _own_call(sample.calls), _first(target.calls), DUPLICATE, n)
         target.own()
-        for a, b in candidate.runs:
-            target.loss_mask[a:b] = [1] * (b - a)
-            target.old_logprobs[a:b] = sample.old_logprobs[a:b]
-            target.advantages[a:b] = sample.advantages[a:b]
-            target.weights[a:b] = (
-                sample.weights[a:b] if sample.weights is not None else [sample.weight] * (b - a)
-            )
+        if target.arrays:  # slices of arrays, or scalars: nothing converted per token
+            for a, b in candidate.runs:
+                target.loss_mask[a:b] = 1
+                target.old_logprobs[a:b] = sample.old_logprobs[a:b]
+                target.advantages[a:b] = sample.advantages[a:b]
+                target.weights[a:b] = sample.weights[a:b] if sample.weights is not None else sample.weight
+        else:
+            for a, b in candidate.runs:
+                target.loss_mask[a:b] = [1] * (b - a)
+                target.old_logprobs[a:b] = as_list(sample.old_logprobs[a:b])
+                target.advantages[a:b] = as_list(sample.advantages[a:b])
+                target.weights[a:b] = (
+                    as_list(sample.weights[a:b]) if sample.weights is not None else [sample.weight] * (b - a)
+                )
         target.calls.extend(sample.calls)
         target.policy_version = min(target.policy_version, sample.policy_version)
         return None
-    if any(target.loss_mask[:cut]):  # the replaced tokens would carry loss of another call
+    if _trains(target.loss_mask, 0, cut):  # the replaced tokens would carry loss of another call
         return Snap(sample.episode_id, _own_call(sample.calls), _first(target.calls), DUPLICATE, n)
     target.own()
     weights, into = token_weights(sample), _first(target.calls)
-    target.token_ids = list(sample.token_ids) + target.token_ids[cut:]
-    target.loss_mask = list(sample.loss_mask) + target.loss_mask[cut:]
-    target.old_logprobs = list(sample.old_logprobs) + target.old_logprobs[cut:]
-    target.advantages = list(sample.advantages) + target.advantages[cut:]
-    target.weights = weights + target.weights[cut:]
+    join = _join_of(target.arrays)
+    target.token_ids = candidate.ids + target.token_ids[cut:]
+    target.loss_mask = join(sample.loss_mask, target.loss_mask[cut:])
+    target.old_logprobs = join(sample.old_logprobs, target.old_logprobs[cut:])
+    target.advantages = join(sample.advantages, target.advantages[cut:])
+    target.weights = join(weights, target.weights[cut:])
     target.calls.extend(sample.calls)
     target.policy_version = min(target.policy_version, sample.policy_version)
     return Snap(sample.episode_id, _own_call(sample.calls), into, TEXT_TRUSTED, n)
+
+
+def _trains(mask: Any, start: int, end: int) -> bool:
+    """Whether a loss mask (a list or an array) has a 1 in ``[start, end)``."""
+    part = mask[start:end]
+    return bool(part.any()) if isinstance(part, np.ndarray) else any(part)
+
+
+def _join_of(arrays: bool) -> Callable[[Any, Any], Any]:
+    """``head + tail`` for a field held as an array (``head`` of any kind) or as a list."""
+    if arrays:
+        return lambda head, tail: np.concatenate((np.asarray(head, tail.dtype), tail))
+    return lambda head, tail: as_list(head) + tail
 
 
 def _first(calls: Sequence[int]) -> int | None:
@@ -478,8 +526,8 @@ class _Trie:
         self.forks: dict[int, set[int]] = {}  # block start -> its nodes that have block-starting children
 
     def insert(self, sample: Sample) -> None:
-        ids = list(sample.token_ids)
-        mask = list(sample.loss_mask)
+        ids = list(as_list(sample.token_ids))
+        mask = list(as_list(sample.loss_mask))
         runs = mask_runs(mask)
         weights = token_weights(sample)
         n, node, p = len(ids), -1, 0
@@ -527,8 +575,8 @@ class _Trie:
             a, b = max(a, start), min(b, end)
             if a < b:
                 self.trained[a + offset : b + offset] = [1] * (b - a)
-                self.logprob[a + offset : b + offset] = sample.old_logprobs[a:b]
-                self.advantage[a + offset : b + offset] = sample.advantages[a:b]
+                self.logprob[a + offset : b + offset] = as_list(sample.old_logprobs[a:b])
+                self.advantage[a + offset : b + offset] = as_list(sample.advantages[a:b])
                 self.weight[a + offset : b + offset] = weights[a:b]
 
     def _block(self, sample: Sample, ids: list[int], mask: list[int], weights, p: int, node: int) -> None:
@@ -542,8 +590,8 @@ class _Trie:
         self.parent.append(node)
         self.parent.extend(range(base, base + count - 1))
         self.trained.extend(mask[p:])
-        self.logprob.extend(sample.old_logprobs[p:])
-        self.advantage.extend(sample.advantages[p:])
+        self.logprob.extend(as_list(sample.old_logprobs[p:]))
+        self.advantage.extend(as_list(sample.advantages[p:]))
         self.weight.extend(weights[p:])
         self.block_start.extend([base] * count)
         self.block_end.extend([base + count] * count)

@@ -2,40 +2,60 @@
 
 A sample is one training sequence: one model call, several calls merged into their longest one, or a
 prefix tree of calls packed depth-first (``parents`` set; see ``ajet_hpc.algo.merge``). Every per-token
-list has one entry per token id; advantages and old log-probabilities are 0.0 where the loss mask is 0,
+field has one entry per token id; advantages and old log-probabilities are 0.0 where the loss mask is 0,
 so padding and prompt tokens never enter the loss.
+
+Per-token fields are lists or numpy arrays: the trainer's build hands out arrays (`as_arrays`), which the
+batch file and the step record take without converting a Python number per token; samples compare equal
+when their values are (a list and an array alike).
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 _PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "advantages")
 _OPTIONAL_PER_TOKEN_FIELDS = ("weights", "parents")
+ARRAY_TYPES = {
+    "token_ids": np.int64,
+    "loss_mask": np.int8,
+    "old_logprobs": np.float64,
+    "advantages": np.float64,
+    "weights": np.float64,
+    "parents": np.int64,
+}
+"""The dtype of each per-token field held as an array (exact: the ids and floats as Python holds them)."""
+
+Ints = list[int] | np.ndarray
+Floats = list[float] | np.ndarray
 
 
-@dataclass
+@dataclass(eq=False)
 class Sample:
     """One training sequence: its token ids, which of them are trained, and with what advantage."""
 
-    token_ids: list[int]
-    loss_mask: list[int]  # 1 on trainable tokens (the model's own sampled tokens), else 0
-    old_logprobs: list[float]  # per token: the engine's logprob on trainable tokens, 0.0 elsewhere
-    advantages: list[float]  # per token: 0.0 where loss_mask is 0
+    token_ids: Ints
+    loss_mask: Ints  # 1 on trainable tokens (the model's own sampled tokens), else 0
+    old_logprobs: Floats  # per token: the engine's logprob on trainable tokens, 0.0 elsewhere
+    advantages: Floats  # per token: 0.0 where loss_mask is 0
     policy_version: int  # the policy version that sampled the trainable tokens
     episode_id: str
     task_id: str
     weight: float = 1.0  # loss weight of every token of the sample, unless `weights` is set
-    weights: list[float] | None = None  # per-token loss weights (merged calls of unequal weights)
-    parents: list[int] | None = None  # tree samples: position of each token's predecessor, -1 for none
+    weights: Floats | None = None  # per-token loss weights (merged calls of unequal weights)
+    parents: Ints | None = None  # tree samples: position of each token's predecessor, -1 for none
     calls: list[int] = field(default_factory=list)  # the episode's call indices whose tokens train here
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
+        if len(self.token_ids) == 0:
             raise ValueError("Sample.token_ids is empty: a sample needs at least one token")
         n = len(self.token_ids)
         for name in _PER_TOKEN_FIELDS + _OPTIONAL_PER_TOKEN_FIELDS:
@@ -55,12 +75,68 @@ class Sample:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def __eq__(self, other: object) -> bool:
+        """The same values in every field (a per-token field as a list or an array alike)."""
+        if not isinstance(other, Sample):
+            return NotImplemented
+        return all(_values(getattr(self, f.name)) == _values(getattr(other, f.name)) for f in fields(self))
 
-def is_binary(mask: Sequence) -> bool:
+
+def _values(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def as_list(values: Sequence | np.ndarray) -> list:
+    """A per-token field as a list (the very list when it is one)."""
+    if isinstance(values, list):
+        return values
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def as_arrays(sample: Sample) -> Sample:
+    """``sample`` with every per-token field a numpy array of its `ARRAY_TYPES` dtype (in place; an array of
+    that dtype is kept as it is, or copied when it is a view of a larger array, which it would keep alive).
+    The trainer's build ends with it: the batch file and the step record then cast arrays instead of
+    converting a Python number per token, once each."""
+    for name, kind in ARRAY_TYPES.items():
+        value = getattr(sample, name)
+        if value is None:
+            continue
+        if not (isinstance(value, np.ndarray) and value.dtype == kind):
+            setattr(sample, name, _array(value, kind))
+        elif isinstance(value.base, np.ndarray):  # a call sample's view of its task group's zeros
+            setattr(sample, name, value.copy())
+    return sample
+
+
+def _array(values: Any, kind: Any) -> np.ndarray:
+    """``np.asarray(values, kind)``; a list of ints through ``array.array`` (a quarter faster), where it
+    reads them as numpy does (it refuses floats and values out of range: numpy's call then)."""
+    if kind is np.int64 and type(values) is list:
+        with contextlib.suppress(TypeError, OverflowError):
+            return np.frombuffer(array.array("q", values), np.int64)
+    return np.asarray(values, kind)
+
+
+def trained_count(mask: Sequence[int] | np.ndarray) -> int:
+    """How many positions a 0/1 loss mask trains."""
+    return int(np.count_nonzero(mask)) if isinstance(mask, np.ndarray) else sum(mask)
+
+
+def is_binary(mask: Sequence | np.ndarray) -> bool:
     """Whether every entry of ``mask`` equals 0 or 1, i.e. ``mask.count(0) + mask.count(1) == len(mask)``,
     without that count's cost: ``list.count(1)`` compares each 0 by value (18 ns a token here, where a call's
     prompt is thousands of 0s), so a mask of 0s then 1s is recognised by one count and one slice
-    comparison, and any other by its bytes (``bytearray`` takes ints 0-255 only; else the counts)."""
+    comparison, and any other by its bytes (``bytearray`` takes ints 0-255 only; else the counts). An
+    array is compared whole."""
+    if isinstance(mask, np.ndarray):
+        if mask.size == 0:
+            return True
+        if mask.dtype.itemsize == 1 and mask.dtype.kind in "biu":  # bytes: -1..-128 read as 255..128
+            return bool(mask.view(np.uint8).max() <= 1)
+        if mask.dtype.kind in "biu":  # integers: their least and greatest
+            return bool(mask.min() >= 0 and mask.max() <= 1)
+        return bool(((mask == 0) | (mask == 1)).all())
     mask = mask if isinstance(mask, (list, tuple)) else list(mask)
     n = len(mask)
     zeros = mask.count(0)  # fast over 0s: one shared object, compared by identity
@@ -73,19 +149,45 @@ def is_binary(mask: Sequence) -> bool:
     return small.count(0) + small.count(1) == n
 
 
-def mask_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+def binary_runs(mask: Sequence[int] | np.ndarray) -> list[tuple[int, int]] | None:
+    """The runs of 1s of a 0/1 mask (`mask_runs`), None when it holds anything else (`is_binary`): a call's
+    mask (0s, then its answer's 1s) by one count and one comparison."""
+    if isinstance(mask, list):
+        n, zeros = len(mask), mask.count(0)
+        if mask[zeros:] == [1] * (n - zeros):
+            return [(zeros, n)] if zeros < n else []
+    return mask_runs(mask) if is_binary(mask) else None
+
+
+def mask_runs(mask: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
     """The ``(start, end)`` runs of a 0/1 loss mask's 1s, found in C (a Python step per run, not per token):
     a call's mask (0s, then its answer's 1s) by one count and one comparison, any other by searching its
-    bytes (``list.index`` would compare every entry by value)."""
-    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
-    n = len(mask)
-    zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
-    if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
-        return [(zeros, n)] if zeros < n else []
-    try:
-        search: Sequence = bytearray(mask)  # exact for 0/1 ints (and bools)
-    except (TypeError, ValueError):
-        search = mask  # floats 0.0 / 1.0: by value
+    bytes (``list.index`` would compare every entry by value); an array by where it steps."""
+    if isinstance(mask, np.ndarray) and mask.dtype.itemsize == 1 and mask.dtype.kind in "biu":
+        mask = mask.view(np.uint8).tobytes()  # searched as bytes (below), as a list's are
+    if isinstance(mask, np.ndarray):
+        ones = (mask == 1).nonzero()[0]
+        if ones.size == 0:
+            return []
+        if ones[-1] - ones[0] + 1 == ones.size:  # one run (a call's answer)
+            return [(int(ones[0]), int(ones[-1]) + 1)]
+        breaks = np.flatnonzero(np.diff(ones) > 1)  # a run ends after each
+        starts = [int(ones[0]), *(ones[breaks + 1]).tolist()]
+        ends = [*(ones[breaks] + 1).tolist(), int(ones[-1]) + 1]
+        return list(zip(starts, ends, strict=True))
+    search: Sequence
+    if isinstance(mask, bytes):
+        search, n = mask, len(mask)
+    else:
+        mask = mask if isinstance(mask, (list, tuple)) else list(mask)
+        n = len(mask)
+        zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
+        if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
+            return [(zeros, n)] if zeros < n else []
+        try:
+            search = bytearray(mask)  # exact for 0/1 ints (and bools)
+        except (TypeError, ValueError):
+            search = mask  # floats 0.0 / 1.0: by value
     runs: list[tuple[int, int]] = []
     end = 0
     while end < n:

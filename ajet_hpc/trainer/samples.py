@@ -26,10 +26,12 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import group_turn_advantages, masked_row, turn_returns
 from ajet_hpc.algo.merge import MergeStats, Snap
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_arrays, binary_runs, trained_count
 from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
@@ -195,7 +197,7 @@ def _build(
         samples.extend(merged_group)
     stats.samples_after = len(samples)
     stats.tokens_after = sum(len(s) for s in samples)
-    return samples, stats
+    return [as_arrays(s) for s in samples], stats
 
 
 def call_samples(group: list[EpisodeData], gamma: float) -> list[list[Sample]]:
@@ -206,31 +208,72 @@ def call_samples(group: list[EpisodeData], gamma: float) -> list[list[Sample]]:
 def _call_samples(group: list[EpisodeData], gamma: float) -> tuple[list[list[Sample]], bool]:
     """`call_samples`, and whether every advantage is finite. A sample's advantages are 0.0 and its turn's
     advantage (where its loss mask is 1), so the turn advantages of samples with a trained token are
-    checked instead of every token."""
+    checked instead of every token.
+
+    The per-token fields besides the token ids are numpy arrays made from the loss mask's runs of 1s and
+    the answer's logprobs: zeros (which cost no pass over a prompt) and slices, where lists cost a Python
+    number per token of every prompt, allocated, merged and freed (16M call tokens at a real batch). A
+    mask that is not 0/1 keeps lists (`Sample` refuses it, with the same error)."""
     returns = [_episode_returns(episode, gamma) for episode in group]
     calls = [(e, t) for e, episode in enumerate(group) for t in range(len(episode.timelines))]
     timelines = [timeline for episode in group for timeline in episode.timelines]
     turns = group_turn_advantages(returns)  # episode_token_advantages, its per-token rows by runs
-    rows = zip(calls, timelines, strict=True)
-    advantages = [masked_row(turns[e][t], timeline.loss_mask) for (e, t), timeline in rows]
+    zeros = _Zeros(sum(len(timeline.loss_mask) for timeline in timelines))
     out: list[list[Sample]] = [[] for _ in group]
     finite = True
-    for (e, t), timeline, per_token in zip(calls, timelines, advantages, strict=True):
+    for (e, t), timeline in zip(calls, timelines, strict=True):
         episode = group[e]
         sample = Sample(
             token_ids=timeline.token_ids,
-            loss_mask=list(timeline.loss_mask),
-            old_logprobs=[0.0] * len(timeline.prompt_ids) + list(timeline.response_logprobs),
-            advantages=per_token,
+            **_call_fields(timeline, turns[e][t], zeros),
             policy_version=timeline.policy_version,
             episode_id=episode.episode_id,
             task_id=episode.task_id or episode.episode_id,
             calls=[t],
         )
-        if finite and not math.isfinite(turns[e][t]) and sample.loss_mask.count(0) != len(sample):
+        if finite and not math.isfinite(turns[e][t]) and trained_count(sample.loss_mask):
             finite = False
         out[e].append(sample)
     return out, finite
+
+
+class _Zeros:
+    """Zeroed arrays for a task group's call samples, handed out as consecutive views of one allocation per
+    dtype (one allocation instead of three per call)."""
+
+    def __init__(self, size: int) -> None:
+        self.masks = np.zeros(size, ARRAY_TYPES["loss_mask"])
+        self.floats = np.zeros((2, size), np.float64)
+        self.start = 0
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A loss mask and two float rows of ``n`` zeros each, not handed out before."""
+        start, self.start = self.start, self.start + n
+        return (
+            self.masks[start : start + n],
+            self.floats[0, start : start + n],
+            self.floats[1, start : start + n],
+        )
+
+
+def _call_fields(timeline: Timeline, advantage: float, zeros: _Zeros) -> dict:
+    """A call sample's loss mask, old logprobs (0.0 on the prompt) and advantages (``advantage`` where the
+    mask is 1, else 0.0): arrays (views of ``zeros``) filled from the mask's runs when it is 0/1, else
+    lists."""
+    mask, prompt = timeline.loss_mask, len(timeline.prompt_ids)
+    runs = binary_runs(mask)
+    if runs is None:
+        return {
+            "loss_mask": list(mask),
+            "old_logprobs": [0.0] * prompt + list(timeline.response_logprobs),
+            "advantages": masked_row(advantage, mask),
+        }
+    loss_mask, advantages, old_logprobs = zeros.take(len(mask))
+    for start, end in runs:
+        loss_mask[start:end] = 1
+        advantages[start:end] = advantage
+    old_logprobs[prompt:] = timeline.response_logprobs
+    return {"loss_mask": loss_mask, "old_logprobs": old_logprobs, "advantages": advantages}
 
 
 def weigh_episodes(samples: list[Sample]) -> None:
@@ -242,7 +285,7 @@ def weigh_episodes(samples: list[Sample]) -> None:
     """
     tokens = Counter[str]()
     for sample in samples:
-        tokens[sample.episode_id] += sum(sample.loss_mask)
+        tokens[sample.episode_id] += trained_count(sample.loss_mask)
     total, episodes = sum(tokens.values()), sum(1 for n in tokens.values() if n)
     for sample in samples:
         n = tokens[sample.episode_id]
@@ -270,6 +313,8 @@ def explain_snaps(
 ) -> list[Snap]:
     """Calls that a later call of the episode continues (its messages start with the call's messages and
     reply) but that did not merge into it, each with the likeliest reason."""
+    if len(merged) == 1 and set(merged[0].calls) >= set(range(len(timelines))):
+        return []  # every call merged into the one sample: none snapped
     absorbed_into = {}
     for sample in merged:
         for call in sample.calls:

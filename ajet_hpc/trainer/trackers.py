@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -65,7 +67,8 @@ def step_histograms(episodes: Sequence[Any], samples: Sequence[Any]) -> dict[str
     lengths: dict[str, float] = {}
     advantage_sums: dict[str, float] = {}
     for sample in samples:
-        trained = [a for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m]
+        mask = np.asarray(sample.loss_mask) != 0  # the samples' fields are arrays or lists
+        trained = np.asarray(sample.advantages, np.float64)[mask].tolist()
         lengths[sample.episode_id] = lengths.get(sample.episode_id, 0) + len(trained)
         advantage_sums[sample.episode_id] = advantage_sums.get(sample.episode_id, 0.0) + sum(trained)
     return {
