@@ -18,8 +18,7 @@ from test_batch_file import random_sample
 from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_arrays, binary_runs, is_binary, mask_runs
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
-from ajet_hpc.storage.episode_store import StepRecord
-from ajet_hpc.storage.h5_layout import encode_step
+from ajet_hpc.storage.records import StepRecord, encode_step
 from ajet_hpc.tracking.timeline import Timeline
 from ajet_hpc.trainer.collector import Batch
 from ajet_hpc.trainer.protocol import WorkDir, encode_batch, read_batch
