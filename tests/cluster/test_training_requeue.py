@@ -52,6 +52,8 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         "clients.math.array=2",
         f"servers.policy.trainer.total_steps={TOTAL}",
         f"servers.policy.trainer.save_every={SAVE_EVERY}",
+        "servers.policy.trainer.tasks_per_batch=4",  # a quarter of the quickstart's batch: the
+        "servers.policy.trainer.repeats=4",  # signals and requeues are what is tested, not learning
     ]
     done = run_module("ajet_hpc.launch", str(REPO / "configs" / "quickstart.yaml"), *overrides)
     assert done.returncode == 0, done.stderr + done.stdout
