@@ -54,7 +54,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import numpy as np
 import torch
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.samples import ARRAY_TYPES, Sample
 from ajet_hpc.storage.files import read_json, write_bytes_atomic, write_json_atomic
 
 KEEP_WEIGHTS = 2
@@ -157,14 +157,7 @@ class Batch:
     save_checkpoint: bool
 
 
-_ARRAY_FIELDS = {
-    "token_ids": np.int64,
-    "loss_mask": np.int8,
-    "old_logprobs": np.float64,
-    "advantages": np.float64,
-    "weights": np.float64,
-    "parents": np.int64,
-}
+_ARRAY_FIELDS = ARRAY_TYPES
 """Per-token fields of a sample, stored as tensors (exact: 64-bit, the 0/1 loss mask 8-bit); pickling them
 as lists of Python numbers (and ``dataclasses.asdict``'s deep copy) cost seconds per step at real batch
 sizes, and one tensor per sample and field (5k samples) a third of a second in ``torch.save``: they are
