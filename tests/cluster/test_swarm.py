@@ -101,7 +101,7 @@ def test_two_models_train_apart_on_shared_episodes(tmp_path: Path) -> None:
 
 def test_mixed_tasks_hold_the_ratio_in_every_batch(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    steps = 10
+    steps = 6
     jobs = launch(
         "mixed_tasks.yaml",
         run,
