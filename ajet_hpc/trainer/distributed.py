@@ -97,9 +97,27 @@ def init_process_group(env: RankEnv, on_gpu: bool) -> None:
     if on_gpu:
         torch.cuda.set_device(env.device_index)
     backend = "nccl" if on_gpu else "gloo"
+    if not on_gpu:
+        skip_shm_comm_build()
     # Ranks wait for batches in short collective polls (see worker), so no call waits long.
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
     log.info("process group up: %s, rank %d of %d", backend, env.rank, env.world_size)
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed's comm backend from compiling its shared-memory all-reduce kernel on the CPU.
+
+    On the CPU accelerator, DeepSpeed's torch backend JIT-compiles ``deepspeed_shm_comm`` when it starts: a
+    C++ build of minutes (5 min on two cores) at the first run of every installation, for a kernel that only
+    its inference all-reduce uses. Training over gloo never calls it, so it is marked incompatible in
+    DeepSpeed's table of usable ops (``deepspeed.ops.__compatible_ops__``, a dict DeepSpeed keeps for such
+    edits) and the backend starts without it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 def shard_by_tokens(lengths: list[int], world_size: int) -> list[list[int]]:
