@@ -127,7 +127,8 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
 
     events = study_events(study_dir)
     started = Counter(e["trial"] for e in events if e["event"] == "started")
-    assert sorted(started) == list(range(2 * len(SEEDS))) and set(started.values()) == {1}, events  # none started twice
+    # every trial started, none twice
+    assert sorted(started) == list(range(2 * len(SEEDS))) and set(started.values()) == {1}, events
     fresh = Counter(e["trial"] for e in events if e["event"] == "launched" and not e["resume"])
     assert set(fresh.values()) == {1}, events
     assert sum(e["event"] == "supervisor_started" for e in events) >= 2
