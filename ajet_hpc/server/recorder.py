@@ -211,10 +211,17 @@ class EpisodeRecorder:
         return self._unwritten_ids
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until everything queued so far was tried; False after ``timeout_s``."""
+        """Wait until everything queued so far was tried; False after ``timeout_s``. Once the recorder is
+        closed (its thread gone: the server stops, and a signal's save comes after), answers at once."""
         written = threading.Event()
         self._queue.put(written)
-        return written.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive():
+            if written.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return written.is_set() or not self._unwritten
 
     async def written(self) -> bool:
         """Wait (without blocking the event loop) until everything queued so far was tried: True when it is
