@@ -149,7 +149,14 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
-            await ctx.engine.start()
+            if ctx.coordinator is not None:
+                ctx.coordinator.prestart()  # the ranks load while the engine does
+            try:
+                await ctx.engine.start()
+            except BaseException:
+                if ctx.coordinator is not None:
+                    ctx.coordinator.close()
+                raise
         tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
         training = None
         if ctx.coordinator is not None:

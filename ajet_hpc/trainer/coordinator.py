@@ -94,6 +94,7 @@ class Coordinator:
         self.sync_backend = _sync_backend(ctx.engine, server.trainer)
         self.rank_env: dict[str, str] | None = None  # the job step's environment (None: this process's)
         self.process: subprocess.Popen | None = None
+        self._prestarted = False  # self.process was started by prestart, while the engine loaded
         self.channel: TrainerChannel | None = None
         self.step = 0
         self._in_flight: _InFlight | None = None  # the step the ranks are training, until it is recorded
@@ -127,9 +128,26 @@ class Coordinator:
         finally:
             self.close()
 
+    def prestart(self) -> None:
+        """Start the ranks while the engine loads (each takes tens of seconds on CPUs, minutes for a large
+        model): they load the model and build DeepSpeed meanwhile, and open an in-memory weight transfer
+        only once the engine serves (``sync_channel.ENGINE_UP``). Not when they share the engine's GPUs
+        (``colocate``): the engine sizes its memory first. ``run`` takes over the ranks started here."""
+        if self.placement.mode == "colocate" or self.process is not None:
+            return
+        self._prepare_work_dir()
+        self.process, self._prestarted = self._launch_ranks(), True
+        log.info("trainer ranks starting while the engine loads")
+
+    def _prepare_work_dir(self) -> None:
+        work = WorkDir(self.work_dir)
+        work.root.mkdir(parents=True, exist_ok=True)
+        _discard_batches(work)  # left by an earlier job: nobody waits for their results
+        clear(work.sync)  # calls and answers of an earlier job, and its ENGINE_UP marker
+
     async def _run(self) -> None:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        _discard_batches(WorkDir(self.work_dir))  # left by an earlier job: nobody waits for their results
+        if not self._prestarted:
+            self._prepare_work_dir()
         sync_server = self._start_sync_server()
         try:
             channel = await self._start_ranks()
@@ -243,30 +261,20 @@ class Coordinator:
         """With in-memory weight syncs: the task that answers the ranks' control calls (``sync_channel``)."""
         if self.sync_backend is None:
             return None
-        folder = WorkDir(self.work_dir).sync
-        clear(folder)
-        server = SyncServer(folder, self.ctx.engine.weight_transfer)
+        server = SyncServer(WorkDir(self.work_dir).sync, self.ctx.engine.weight_transfer)
         return asyncio.get_running_loop().create_task(server.serve(), name="weight-sync")
 
     async def _start_ranks(self) -> TrainerChannel:
         """Start the ranks, wait until they have resumed from their last checkpoint (and handed the engine
         its weights), and continue from that step."""
-        log_path = self.work_dir / "ranks.log"
-        env = dict(os.environ if self.rank_env is None else self.rank_env)
-        if self.sync_backend is not None:
-            env[weight_sync.BACKEND_VAR] = self.sync_backend
-            env[weight_sync.WORKERS_VAR] = str(self.placement.tensor_parallel)
-        self.process = start_ranks(
-            self.work_dir,
-            self.model_path,
-            self.config,
-            on_slurm=self.on_slurm,
-            placement=self.placement,
-            log_path=log_path,
-            env=env,
-        )
+        prestarted, self._prestarted = self._prestarted, False
+        if not prestarted:
+            self.process = self._launch_ranks()
         process = self.process
-        channel = TrainerChannel(self.work_dir, alive=lambda: process.poll() is None, log_path=log_path)
+        assert process is not None
+        channel = TrainerChannel(
+            self.work_dir, alive=lambda: process.poll() is None, log_path=self._ranks_log
+        )
         self.channel = channel
         ready = await channel.wait_ready(timeout_s=900)
         self._ranks_idle_since = time.monotonic()
@@ -280,6 +288,25 @@ class Coordinator:
                 "removed %d metrics rows past the checkpoint at step %d (they run again)", dropped, self.step
             )
         return channel
+
+    @property
+    def _ranks_log(self) -> Path:
+        return self.work_dir / "ranks.log"
+
+    def _launch_ranks(self) -> subprocess.Popen:
+        env = dict(os.environ if self.rank_env is None else self.rank_env)
+        if self.sync_backend is not None:
+            env[weight_sync.BACKEND_VAR] = self.sync_backend
+            env[weight_sync.WORKERS_VAR] = str(self.placement.tensor_parallel)
+        return start_ranks(
+            self.work_dir,
+            self.model_path,
+            self.config,
+            on_slurm=self.on_slurm,
+            placement=self.placement,
+            log_path=self._ranks_log,
+            env=env,
+        )
 
     async def _restore_collector(self) -> None:
         """Once per server process: the finished episodes of an earlier life that no step consumed go back

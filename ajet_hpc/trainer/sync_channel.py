@@ -25,6 +25,9 @@ from ajet_hpc.storage.files import write_bytes_atomic
 log = logging.getLogger(__name__)
 
 METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+ENGINE_UP = "engine-up"
+"""The marker :class:`SyncServer` leaves in the folder when it starts, its engine serving: ranks started
+while the engine still loads (``Coordinator.prestart``) open their transfer group only once it is there."""
 
 
 class SyncFailed(RuntimeError):
@@ -99,6 +102,17 @@ class FileSyncClient:
         return answer.get("result")
 
 
+def wait_for_engine(folder: Path, alive: Callable[[], bool], poll_s: float = 0.2) -> bool:
+    """Wait until the server's engine serves (the :data:`ENGINE_UP` marker); False once ``alive()`` says
+    the server is gone."""
+    marker = Path(folder) / ENGINE_UP
+    while not marker.exists():
+        if not alive():
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 Handler = Callable[[str, Any], Awaitable[Any]]
 
 
@@ -124,8 +138,9 @@ class SyncServer:
         self._last_call = float("-inf")
 
     async def serve(self) -> None:
-        """Run until cancelled."""
+        """Run until cancelled. Its engine serves: the ranks may open their transfer group."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / ENGINE_UP).touch()
         while True:
             calls = sorted(self.folder.glob("call-*.pkl"))
             if not calls:

@@ -39,6 +39,7 @@ from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.protocol import Batch, DiskWeights, MemoryWeights, StepResult, WeightHandoff, WorkDir
 from ajet_hpc.trainer.step import train_step
+from ajet_hpc.trainer.sync_channel import ENGINE_UP, wait_for_engine
 
 POLL_S = 0.1
 """Seconds between two looks at the inbox (each a small broadcast from rank 0)."""
@@ -265,6 +266,10 @@ class Rank:
         """The in-memory sender when the server asked for one (``AJET_WEIGHT_SYNC``), else None (disk)."""
         if not weight_sync.wanted():
             return None
+        if not (self.work.sync / ENGINE_UP).exists():
+            log.info("waiting for the server's engine to serve before opening the weight transfer")
+        if not wait_for_engine(self.work.sync, _parent_alive):
+            raise RuntimeError("the server went away while its engine was starting")
         zero3 = self.config.zero_stage == 3
         return weight_sync.WeightSender(
             self.models.engine.module, zero3, self.config, self.work.sync, self.env.rank

@@ -38,6 +38,9 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     for row in rows:
         assert row["policy_version"] == row["step"] and row["weight_sync_s"] is not None
     assert (run / "ckpt" / "policy" / "ds" / "trainer_state.json").is_file()
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    starting = server_log.index("trainer ranks starting while the engine loads")  # Coordinator.prestart
+    assert starting < server_log.index("vllm engine: loaded"), server_log[-3000:]
 
 
 def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
