@@ -116,7 +116,7 @@ def _array(values: Any, kind: Any) -> np.ndarray:
     if kind is np.int64 and type(values) is list:
         out = np.empty(len(values), np.int64)
         with contextlib.suppress(struct.error, TypeError, OverflowError):
-            struct.pack_into(f"={len(values)}q", out, 0, *values)
+            struct.pack_into(f"={len(values)}q", out.data, 0, *values)
             return out
     return np.asarray(values, kind)
 
