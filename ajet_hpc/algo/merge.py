@@ -436,7 +436,7 @@ def _absorb(target: _Merged, candidate: _Candidate, cut: int, exact: bool) -> Sn
 def _trains(mask: Any, start: int, end: int) -> bool:
     """Whether a loss mask (a list or an array) has a 1 in ``[start, end)``."""
     part = mask[start:end]
-    return bool(part.any()) if isinstance(part, np.ndarray) else any(part)
+    return bool(np.count_nonzero(part)) if isinstance(part, np.ndarray) else any(part)
 
 
 def _join_of(arrays: bool) -> Callable[[Any, Any], Any]:

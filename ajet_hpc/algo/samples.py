@@ -12,8 +12,8 @@ when their values are (a list and an array alike).
 
 from __future__ import annotations
 
-import array
 import contextlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -110,11 +110,14 @@ def as_arrays(sample: Sample) -> Sample:
 
 
 def _array(values: Any, kind: Any) -> np.ndarray:
-    """``np.asarray(values, kind)``; a list of ints through ``array.array`` (a quarter faster), where it
-    reads them as numpy does (it refuses floats and values out of range: numpy's call then)."""
+    """``np.asarray(values, kind)``; a list of ints written by ``struct.pack_into`` (a third of numpy's time,
+    half of ``array.array``'s: a step converts a few million merged token ids), where it reads them as numpy
+    does (it refuses floats and values out of range: numpy's call then)."""
     if kind is np.int64 and type(values) is list:
-        with contextlib.suppress(TypeError, OverflowError):
-            return np.frombuffer(array.array("q", values), np.int64)
+        out = np.empty(len(values), np.int64)
+        with contextlib.suppress(struct.error, TypeError, OverflowError):
+            struct.pack_into(f"={len(values)}q", out.data, 0, *values)
+            return out
     return np.asarray(values, kind)
 
 
@@ -177,17 +180,16 @@ def mask_runs(mask: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
         return list(zip(starts, ends, strict=True))
     search: Sequence
     if isinstance(mask, bytes):
-        search, n = mask, len(mask)
-    else:
-        mask = mask if isinstance(mask, (list, tuple)) else list(mask)
-        n = len(mask)
-        zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
-        if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
-            return [(zeros, n)] if zeros < n else []
-        try:
-            search = bytearray(mask)  # exact for 0/1 ints (and bools)
-        except (TypeError, ValueError):
-            search = mask  # floats 0.0 / 1.0: by value
+        return _byte_runs(mask)
+    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
+    n = len(mask)
+    zeros = mask.count(0)  # fast over 0s (one shared object): a call's prompt
+    if mask[zeros:] == [1] * (n - zeros):  # all 1s after as many positions as there are 0s: one run
+        return [(zeros, n)] if zeros < n else []
+    try:
+        return _byte_runs(bytearray(mask))  # exact for 0/1 ints (and bools)
+    except (TypeError, ValueError):
+        search = mask  # floats 0.0 / 1.0: by value
     runs: list[tuple[int, int]] = []
     end = 0
     while end < n:
@@ -199,6 +201,20 @@ def mask_runs(mask: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
             end = search.index(0, start)
         except ValueError:
             end = n
+        runs.append((start, end))
+    return runs
+
+
+def _byte_runs(mask: bytes | bytearray) -> list[tuple[int, int]]:
+    """`mask_runs` of a mask held as bytes (``find`` runs in C and, unlike ``index``, raises nothing)."""
+    runs: list[tuple[int, int]] = []
+    end, n = 0, len(mask)
+    while end < n:
+        start = mask.find(1, end)
+        if start < 0:
+            break
+        end = mask.find(0, start)
+        end = n if end < 0 else end
         runs.append((start, end))
     return runs
 

@@ -346,9 +346,9 @@ def explain_snaps(
 def _continuation(mine: list[tuple], later: list[list[tuple]]) -> int | None:
     """Index in ``later`` (the message keys of the later calls) of the first call whose request continues
     the conversation whose message keys are ``mine``."""
-    for index, keys in enumerate(later):
-        request = keys[:-1]  # the last one is the reply
-        if len(request) > len(mine) and request[: len(mine)] == mine:
+    n = len(mine)
+    for index, keys in enumerate(later):  # a call's last key is its reply: its request is keys[:-1]
+        if len(keys) - 1 > n and keys[:n] == mine:
             return index
     return None
 
@@ -358,7 +358,9 @@ def _message_key(message: dict) -> tuple:
     return (
         message.get("role"),
         (message.get("content") or "").strip(),
-        tuple((c.get("function") or {}).get("name", "") for c in calls if isinstance(c, dict)),
+        tuple((c.get("function") or {}).get("name", "") for c in calls if isinstance(c, dict))
+        if calls
+        else (),
     )
 
 
