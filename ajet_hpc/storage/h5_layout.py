@@ -556,9 +556,18 @@ class SealedColumn:
         return full
 
     def seal(self, k: int, compressed: bytes) -> None:
-        """Write chunk ``k``, compressed, to the column (once: see the module's docstring)."""
-        self.main.resize(((k + 1) * self.chunk,))
+        """Write chunk ``k``, compressed, to the column (once: see the module's docstring); the column grows
+        to hold it unless ``reserve`` made it long enough."""
+        end = (k + 1) * self.chunk
+        if self.main.id.shape[0] < end:
+            self.main.resize((end,))
         self.main.id.write_direct_chunk((k * self.chunk,), compressed, 0)
+
+    def reserve(self, chunks: int) -> None:
+        """Grow the column to ``chunks`` full chunks at once (a group's chunks are then written without a
+        resize each; readers never look past ``sealed``, a reopen shrinks the column back to it)."""
+        if self.main.id.shape[0] < chunks * self.chunk:
+            self.main.resize((chunks * self.chunk,))
 
     def seal_open(self) -> None:
         """Write the open chunk's part into the column as well (padded with zeros, compressed) and set the

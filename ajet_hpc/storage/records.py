@@ -149,9 +149,9 @@ def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
                 n = sum(map(len, parts))  # raises on floats (numpy would truncate them) and on overflow:
                 return np.frombuffer(struct.pack(f"<{n}i", *itertools.chain.from_iterable(parts)), np.int32)
             if np.dtype(dtype) == np.int8:
-                out = np.frombuffer(b"".join(map(bytes, parts)), np.int8)  # raises outside 0..255, on floats
-                if len(out) == 0 or out.min() >= 0:  # 128..255 would read back negative: numpy's call
-                    return out
+                joined = b"".join(map(bytes, parts))  # raises outside 0..255, on floats
+                if joined.isascii():  # 128..255 would read back negative: numpy's call
+                    return np.frombuffer(joined, np.int8)
     return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 
@@ -168,11 +168,7 @@ def _same_json(a: Any, b: Any) -> bool:
     kind = type(a)
     if kind is not type(b):
         return False
-    if kind is str or kind is int or kind is bool:
-        return a == b
-    if kind is float:
-        return a.hex() == b.hex()  # 0.0 and -0.0 differ; nan (not == itself) matches nan here
-    if kind is dict:
+    if kind is dict:  # (the common case first: a message)
         if len(a) != len(b):
             return False
         for (key, x), (other, y) in zip(a.items(), b.items(), strict=True):
@@ -186,6 +182,10 @@ def _same_json(a: Any, b: Any) -> bool:
             elif not _same_json(x, y):
                 return False
         return True
+    if kind is str or kind is int or kind is bool:
+        return a == b
+    if kind is float:
+        return a.hex() == b.hex()  # 0.0 and -0.0 differ; nan (not == itself) matches nan here
     if kind is list or kind is tuple:
         if len(a) != len(b):
             return False
@@ -250,11 +250,10 @@ def _timeline_json(timelines: list[Any]) -> list[bytes]:
             texts = None
         else:
             texts = [
-                prev_texts[i]
-                if i < len(prev_messages) and _same_json(m, prev_messages[i])
-                else _ENCODER.encode(m)
-                for i, m in enumerate(messages)
-            ]
+                text if _same_json(m, prev) else _ENCODER.encode(m)
+                for m, prev, text in zip(messages, prev_messages, prev_texts, strict=False)
+            ]  # (as far as both go; then the new messages)
+            texts += [_ENCODER.encode(m) for m in messages[len(texts) :]]
         if t.tools is not prev_tools:
             tools_text = _tools_json(t.tools)
         rest = _ENCODER.encode(
@@ -294,7 +293,9 @@ def encode_episode(record: EpisodeRecord) -> Append:
         ):
             raise ValueError(f"timeline {i} has authors, loss mask or logprobs of the wrong length")
     logprobs = np.zeros(sum(lengths), np.float32)
-    for start, p, n, t in zip(np.cumsum([0, *lengths]).tolist(), prompt, lengths, timelines, strict=False):
+    for start, p, n, t in zip(
+        itertools.accumulate(lengths, initial=0), prompt, lengths, timelines, strict=False
+    ):
         logprobs[start + p : start + n] = t.response_logprobs
     timeline_json = _timeline_json(timelines)
     episode_json = _json(
