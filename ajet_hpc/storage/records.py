@@ -222,7 +222,7 @@ call of every episode, as separate objects (one per parsed request)."""
 def _tools_json(tools: Any) -> str:
     """``_ENCODER.encode(tools)``; the text of the last tools list encoded when ``tools`` has its key."""
     global _last_tools
-    key = _plain_key(tools) if tools else None
+    key = _plain_key(tools)
     last = _last_tools  # (one read: another thread may replace it, never half of it)
     if key is not None and key == last[0]:
         return last[1]

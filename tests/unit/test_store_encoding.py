@@ -173,6 +173,7 @@ _TOOLS = [
     _tools(np.float64(1.0)),
     _tools(np.float32(0.5)),
     _tools(_Text("1")),
+    np.array([1, 2]),  # (no truth value: encoded through the encoder's default, as before)
 ]
 
 
