@@ -353,6 +353,9 @@ class EpisodeWriter:
         for space, n in encoded.counts.items():
             new[_SPACE[space]] += n
         if full:  # a tail slot may be reused next: readers must see the seal first
+            last = {id(column): (column, k) for column, k, _ in full}  # (each column's chunks in order)
+            for column, k in last.values():
+                column.reserve(k + 1)
             for column, k, job in full:
                 column.seal(k, job.result() if isinstance(job, Future) else column.compress(job))
             f.flush()

@@ -10,7 +10,8 @@ kinds of dataset:
 - **sealed columns**: the big ones (tokens, logprobs, JSON bytes), deflate-compressed. Under SWMR, HDF5 never
   frees a chunk that is rewritten with another size (a reader may still hold its old address), so a
   compressed chunk must be written exactly once: only full chunks go to the column, compressed by us (shuffle
-  + zlib, the same bytes HDF5's own filters would write) with ``write_direct_chunk``; the open chunk lives
+  + deflate: what HDF5's own filters would write, through ISA-L where installed, :func:`deflate`) with
+  ``write_direct_chunk``; the open chunk lives
   uncompressed in ``_tail/<column>``, two slots used in turn (chunk ``k`` in slot ``k % 2``). The ``sealed``
   dataset counts the full chunks per space; it is flushed before a slot is reused, so a reader that read a
   slot and then sees the count pass that chunk knows to read the column instead (a sequence lock).
@@ -18,6 +19,7 @@ kinds of dataset:
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
@@ -35,6 +37,18 @@ import h5py
 import numpy as np
 
 from ajet_hpc.storage.files import fsync_dir, pid_alive
+
+
+def _isal() -> Any:
+    """ISA-L's zlib module (the ``isal`` package, a declared dependency), or None without it (``deflate``
+    then uses zlib: the same format, more CPU)."""
+    try:
+        return importlib.import_module("isal.isal_zlib")
+    except ImportError:
+        return None
+
+
+_isal_zlib = _isal()
 
 log = logging.getLogger(__name__)
 
@@ -542,9 +556,18 @@ class SealedColumn:
         return full
 
     def seal(self, k: int, compressed: bytes) -> None:
-        """Write chunk ``k``, compressed, to the column (once: see the module's docstring)."""
-        self.main.resize(((k + 1) * self.chunk,))
+        """Write chunk ``k``, compressed, to the column (once: see the module's docstring); the column grows
+        to hold it unless ``reserve`` made it long enough."""
+        end = (k + 1) * self.chunk
+        if self.main.id.shape[0] < end:
+            self.main.resize((end,))
         self.main.id.write_direct_chunk((k * self.chunk,), compressed, 0)
+
+    def reserve(self, chunks: int) -> None:
+        """Grow the column to ``chunks`` full chunks at once (a group's chunks are then written without a
+        resize each; readers never look past ``sealed``, a reopen shrinks the column back to it)."""
+        if self.main.id.shape[0] < chunks * self.chunk:
+            self.main.resize((chunks * self.chunk,))
 
     def seal_open(self) -> None:
         """Write the open chunk's part into the column as well (padded with zeros, compressed) and set the
@@ -570,9 +593,20 @@ class SealedColumn:
             self._clean = self.fill
 
     def compress(self, data: np.ndarray) -> bytes:
-        """The bytes HDF5's shuffle + deflate filters would write for ``data``."""
+        """``data`` through the column's filters: shuffled (multi-byte types), then deflated
+        (:func:`deflate`): what HDF5's shuffle + deflate filters read back."""
         raw = data.view(np.uint8).reshape(-1, data.itemsize).T.tobytes() if self._shuffle else data.tobytes()
-        return zlib.compress(raw, self._level)
+        return deflate(raw, self._level)
+
+
+def deflate(raw: bytes, level: int) -> bytes:
+    """``raw`` as a zlib stream (what HDF5's deflate filter stores and inflates), at the column's ``level``.
+    Levels 1-3 go through ISA-L's igzip when the ``isal`` package is there: the same format (any zlib
+    inflates it, HDF5 included), about 6x less CPU than zlib at level 1 on the benchmark's chunks and a
+    smaller result (docs/storage.md, "Compression choice"); other levels, or without ``isal``, zlib."""
+    if _isal_zlib is not None and 1 <= level <= 3:
+        return _isal_zlib.compress(raw, level)
+    return zlib.compress(raw, level)
 
 
 def _filters(dataset: h5py.Dataset) -> tuple[bool, int]:

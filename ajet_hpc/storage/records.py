@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import json
 import math
+import pickle
 import struct
 import time
 from dataclasses import dataclass, field
@@ -107,10 +109,20 @@ def join_appends(appends: list[Append], *, columns: bool = True) -> Append:
                 out.setdefault(name, []).append(array)
     return Append(
         counts=counts,
-        rows={name: np.concatenate(parts) for name, parts in rows.items()},
+        rows={name: _concat_rows(parts) for name, parts in rows.items()},
         lengths={name: np.concatenate(parts) for name, parts in lengths.items()},
         columns={name: np.concatenate(parts) for name, parts in values.items()},
     )
+
+
+def _concat_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)`` for tables of one structured dtype (every record's rows have the table's
+    dtype), through their bytes: numpy promotes structured dtypes pair by pair, which made joining a group
+    of 64 episodes' rows cost more than writing them."""
+    dtype = parts[0].dtype
+    if all(p.dtype == dtype for p in parts):
+        return np.frombuffer(b"".join(np.ascontiguousarray(p).tobytes() for p in parts), dtype)
+    return np.concatenate(parts)
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=lambda v: _plain(v))
@@ -137,9 +149,9 @@ def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
                 n = sum(map(len, parts))  # raises on floats (numpy would truncate them) and on overflow:
                 return np.frombuffer(struct.pack(f"<{n}i", *itertools.chain.from_iterable(parts)), np.int32)
             if np.dtype(dtype) == np.int8:
-                out = np.frombuffer(b"".join(map(bytes, parts)), np.int8)  # raises outside 0..255, on floats
-                if len(out) == 0 or out.min() >= 0:  # 128..255 would read back negative: numpy's call
-                    return out
+                joined = b"".join(map(bytes, parts))  # raises outside 0..255, on floats
+                if joined.isascii():  # 128..255 would read back negative: numpy's call
+                    return np.frombuffer(joined, np.int8)
     return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 
@@ -156,11 +168,7 @@ def _same_json(a: Any, b: Any) -> bool:
     kind = type(a)
     if kind is not type(b):
         return False
-    if kind is str or kind is int or kind is bool:
-        return a == b
-    if kind is float:
-        return a.hex() == b.hex()  # 0.0 and -0.0 differ; nan (not == itself) matches nan here
-    if kind is dict:
+    if kind is dict:  # (the common case first: a message)
         if len(a) != len(b):
             return False
         for (key, x), (other, y) in zip(a.items(), b.items(), strict=True):
@@ -174,11 +182,54 @@ def _same_json(a: Any, b: Any) -> bool:
             elif not _same_json(x, y):
                 return False
         return True
+    if kind is str or kind is int or kind is bool:
+        return a == b
+    if kind is float:
+        return a.hex() == b.hex()  # 0.0 and -0.0 differ; nan (not == itself) matches nan here
     if kind is list or kind is tuple:
         if len(a) != len(b):
             return False
         return all(x is y or _same_json(x, y) for x, y in zip(a, b, strict=True))
     return False
+
+
+class _PlainPickler(pickle.Pickler):
+    """Pickles exact ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``dict``, ``list``,
+    ``tuple``, ``set`` and ``frozenset`` only: the pickler takes those itself, every other object
+    (subclasses of them, numpy values, classes) goes through ``reducer_override``, which refuses it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        raise TypeError(f"{type(obj).__name__} is not a plain value")
+
+
+def _plain_key(value: Any) -> bytes | None:
+    """Bytes that are the same for two values only if they encode to the same JSON text: their pickle, when
+    they hold exact built-in types alone (None otherwise). Equal pickles mean the same types all the way
+    down (1, 1.0 and True differ), the same values (floats bit for bit), dict keys in the same order."""
+    buffer = io.BytesIO()
+    try:
+        _PlainPickler(buffer, 5).dump(value)
+    except Exception:  # not plain (or too deep): the caller just encodes it
+        return None
+    return buffer.getvalue()
+
+
+_last_tools: tuple[bytes, str] = (b"", "")
+"""The ``_plain_key`` and JSON text of the last tools list encoded: a server sends the same tools with every
+call of every episode, as separate objects (one per parsed request)."""
+
+
+def _tools_json(tools: Any) -> str:
+    """``_ENCODER.encode(tools)``; the text of the last tools list encoded when ``tools`` has its key."""
+    global _last_tools
+    key = _plain_key(tools)
+    last = _last_tools  # (one read: another thread may replace it, never half of it)
+    if key is not None and key == last[0]:
+        return last[1]
+    text = _ENCODER.encode(tools)
+    if key is not None:
+        _last_tools = (key, text)
+    return text
 
 
 def _timeline_json(timelines: list[Any]) -> list[bytes]:
@@ -187,7 +238,7 @@ def _timeline_json(timelines: list[Any]) -> list[bytes]:
     the conversation): a message that is the same (``_same_json``) as the previous timeline's at that
     position is not encoded again, its text is reused, so an episode's messages are encoded about once
     instead of once per call (the largest part of an episode's encoding); the same for a tools list that is
-    the previous timeline's own object."""
+    the previous timeline's own object, or equal to the last tools list encoded (``_tools_json``)."""
     out = []
     prev_messages: list[Any] = []
     prev_texts: list[str] = []
@@ -199,13 +250,12 @@ def _timeline_json(timelines: list[Any]) -> list[bytes]:
             texts = None
         else:
             texts = [
-                prev_texts[i]
-                if i < len(prev_messages) and _same_json(m, prev_messages[i])
-                else _ENCODER.encode(m)
-                for i, m in enumerate(messages)
-            ]
-        if t.tools is not prev_tools:  # (comparing deep tool schemas costs more than encoding them)
-            tools_text = _ENCODER.encode(t.tools)
+                text if _same_json(m, prev) else _ENCODER.encode(m)
+                for m, prev, text in zip(messages, prev_messages, prev_texts, strict=False)
+            ]  # (as far as both go; then the new messages)
+            texts += [_ENCODER.encode(m) for m in messages[len(texts) :]]
+        if t.tools is not prev_tools:
+            tools_text = _tools_json(t.tools)
         rest = _ENCODER.encode(
             {
                 "finish_reason": t.finish_reason,
@@ -243,7 +293,9 @@ def encode_episode(record: EpisodeRecord) -> Append:
         ):
             raise ValueError(f"timeline {i} has authors, loss mask or logprobs of the wrong length")
     logprobs = np.zeros(sum(lengths), np.float32)
-    for start, p, n, t in zip(np.cumsum([0, *lengths]).tolist(), prompt, lengths, timelines, strict=False):
+    for start, p, n, t in zip(
+        itertools.accumulate(lengths, initial=0), prompt, lengths, timelines, strict=False
+    ):
         logprobs[start + p : start + n] = t.response_logprobs
     timeline_json = _timeline_json(timelines)
     episode_json = _json(

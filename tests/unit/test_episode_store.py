@@ -11,15 +11,17 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 from ajet_hpc.algo.samples import Sample
 from ajet_hpc.server.episodes import Episode
-from ajet_hpc.storage import episode_store
+from ajet_hpc.storage import episode_store, h5_layout
 from ajet_hpc.storage.episode_store import LAYOUT_VERSION, EpisodeReader, EpisodeWriter, StoreError
 from ajet_hpc.storage.lease import LeaseTiming, lease_path, read_lease
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
@@ -552,3 +554,26 @@ def test_a_frozen_writer_taken_over_writes_nothing_more(tmp_path: Path) -> None:
     with EpisodeReader(path) as reader:
         assert [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-1", "ep-3"]
         assert [reader.episode(f"ep-{i}") for i in (0, 1, 3)] == [make_record(i) for i in (0, 1, 3)]
+
+
+def test_chunks_deflated_by_zlib_or_isal_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full chunks are deflated through ISA-L where the ``isal`` package is there, through zlib otherwise
+    (``h5_layout.deflate``): both are zlib streams, so a store written by either, or by both in turn, reads
+    back the same, through EpisodeReader and through HDF5's own deflate filter."""
+    path = tmp_path / "policy.h5"
+    records = [make_record(i) for i in range(12)]
+    with monkeypatch.context() as patched:
+        patched.setattr(h5_layout, "_isal_zlib", None)  # zlib, as without the package
+        with EpisodeWriter(path, chunk_tokens=8) as writer:
+            writer.append_records(records[:6])
+    with EpisodeWriter(path, chunk_tokens=8) as writer:  # ISA-L if installed
+        writer.append_records(records[6:])
+    with EpisodeReader(path) as reader:
+        assert [reader.episode(r.episode_id) for r in records] == records
+    tokens = [x for r in records for t in r.timelines for x in t.token_ids]
+    with h5py.File(path, "r") as f:
+        assert f["tokens"][:].tolist() == tokens
+        for k in (0, len(tokens) // 8 - 1):  # the first chunk (zlib) and the last full one
+            _, raw = f["tokens"].id.read_direct_chunk((k * 8,))
+            shuffled = np.frombuffer(zlib.decompress(raw), np.uint8).reshape(4, 8).T.copy()
+            assert shuffled.view("<i4").ravel().tolist() == tokens[k * 8 : k * 8 + 8]

@@ -151,8 +151,34 @@ def _variant(rng: random.Random, message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tools(x: Any, *, reverse: bool = False) -> list[dict[str, Any]]:
+    function = {"name": "f", "parameters": {"x": x, "y": "ünïcødé ✓"}}
+    if reverse:
+        function["parameters"] = dict(reversed(list(function["parameters"].items())))
+    return [{"type": "function", "function": function}]
+
+
+class _Text(str):
+    """A str subclass: encoded as its text, but not a plain value for the tools cache."""
+
+
+# Tools lists that differ only where JSON sees it (1, 1.0, True; 0.0 and -0.0; key order; numpy and str
+# subclass values): the encoder reuses the text of the last tools list encoded when it is the same.
+_TOOLS = [
+    None,
+    [],
+    *(_tools(x) for x in _TRICKY),
+    _tools(1, reverse=True),
+    _tools(np.int64(1)),
+    _tools(np.float64(1.0)),
+    _tools(np.float32(0.5)),
+    _tools(_Text("1")),
+    np.array([1, 2]),  # (no truth value: encoded through the encoder's default, as before)
+]
+
+
 def random_record(rng: random.Random, index: int) -> EpisodeRecord:
-    tools_pool = [None, [{"type": "function", "function": {"name": "f", "parameters": {"x": 1}}}]]
+    tools_pool = _TOOLS
     tools = rng.choice(tools_pool)
     messages: list[dict[str, Any]] = []
     timelines = []
