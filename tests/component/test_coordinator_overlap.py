@@ -183,3 +183,32 @@ def test_a_batch_put_back_waits_in_front_and_reports_its_drops_with_the_next() -
     assert again.dropped_stale == 2 and again.dropped_ids == ["old-r0", "old-r1"]  # reported once, here
     last = collector.try_batch(version=1)
     assert last is not None and last.dropped_ids == [] and [e.task_id for e in last.episodes] == ["t1", "t1"]
+
+
+def test_ranks_started_with_the_engine_are_stopped_when_the_engine_fails_to_load(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The server starts the ranks before its engine (``Coordinator.prestart``, both load at once). An
+    engine that cannot load (its weights file cut short: a real load error) fails the server's start, and
+    the ranks started beside it are stopped, not left running on the node."""
+    import shutil
+
+    from ajet_hpc.server.app import create_app
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    engine = create_engine("transformers", broken, max_model_len=1024)
+    coordinator = coordinator_for(tmp_path, engine, total_steps=1)
+    coordinator.ctx.attach_trainer(coordinator)
+    app = create_app(coordinator.ctx)
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            raise AssertionError("the server started with an engine that cannot load")
+
+    with pytest.raises(Exception, match=r"(?i)safetensors|header|deserializ|file"):
+        asyncio.run(start())
+    assert coordinator.process is not None and coordinator.process.poll() is not None
+    assert "torch.distributed.run" in (tmp_path / "run" / "ckpt" / "policy" / "ranks.log").read_text()

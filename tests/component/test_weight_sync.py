@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.weight_transfer import STALL_VAR
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import DiskWeights, MemoryWeights, TrainerChannel, TrainerFailed, WorkDir
@@ -118,7 +118,7 @@ async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: 
         await asyncio.to_thread(proc.wait, 60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun and the ranks (each in a session of its own)
         if server is not None:
             server.cancel()
     return seen
@@ -196,7 +196,7 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
                 assert time.monotonic() < deadline, log.read_text()[-2000:]
                 await asyncio.sleep(0.2)
             killed = time.monotonic()
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun and the ranks (each in a session of its own)
             with pytest.raises(TrainerFailed) as failed:
                 await channel.wait_result(1, timeout_s=timeout_s)
             step_failed_after = time.monotonic() - killed
@@ -210,7 +210,7 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
             return str(failed.value), step_failed_after, time.monotonic() - killed
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)  # torchrun and the ranks (each in a session of its own)
             server.cancel()
 
     message, step_failed_after, serving_after = loop.run_until_complete(scenario())

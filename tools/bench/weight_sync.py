@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from ajet_hpc.config.placement import cpu_placement, plan_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
+from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import weight_sync
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import TrainerChannel, WorkDir
@@ -149,7 +149,7 @@ async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bo
         await asyncio.to_thread(proc.wait, 120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun and the ranks (each in a session of its own)
         if server is not None:
             server.cancel()
     return rows
