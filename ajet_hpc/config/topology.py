@@ -236,6 +236,12 @@ class TrainerConfig(BaseModel):
         "colocated, gloo on CPUs); 'disk' exports them to node-local storage and reloads them (also the "
         "fallback for the transformers engine). docs/weight_sync.md.",
     )
+    start_with_engine: bool = Field(
+        default=True,
+        description="Start the ranks while the engine loads (the first step comes sooner, at every start "
+        "and requeue); false: after it, which lowers the node's peak memory while both load a large model. "
+        "Ignored under placement colocate (always after). docs/architecture.md.",
+    )
     weight_sync_timeout_s: float = Field(
         default=300.0,
         gt=0,

@@ -132,8 +132,9 @@ class Coordinator:
         """Start the ranks while the engine loads (each takes tens of seconds on CPUs, minutes for a large
         model): they load the model and build DeepSpeed meanwhile, and open an in-memory weight transfer
         only once the engine serves (``sync_channel.ENGINE_UP``). Not when they share the engine's GPUs
-        (``colocate``): the engine sizes its memory first. ``run`` takes over the ranks started here."""
-        if self.placement.mode == "colocate" or self.process is not None:
+        (``colocate``): the engine sizes its memory first; nor with ``trainer.start_with_engine: false``.
+        ``run`` takes over the ranks started here."""
+        if not self.config.start_with_engine or self.placement.mode == "colocate" or self.process is not None:
             return
         self._prepare_work_dir()
         self.process, self._prestarted = self._launch_ranks(), True

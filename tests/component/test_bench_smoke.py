@@ -62,6 +62,13 @@ SMOKE = [
         marks=SLOW,
     ),
     pytest.param(
+        "startup.py",
+        ["--runs", "1", "--engine", "transformers"],
+        ["first_step_with_s", "first_step_after_s", "speedup"],
+        id="startup",
+        marks=SLOW,
+    ),
+    pytest.param(
         "load_agents.py",
         ["--agents", "4", "--seconds", "3", "--turns", "1", "--engine", "transformers"],
         ["agents", "episodes_per_s", "chat_p50_ms", "chat_p99_ms", "errors_5xx", "transport_errors"],
