@@ -12,10 +12,25 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 TIMEOUT_S = 30
+QUERY_TRIES = 3  # a read-only query is asked again when the command did not get an answer (below)
+QUERY_BACKOFF_S = 1.0
+
+# What Slurm's tools print when they did not reach slurmctld or lost the connection mid-answer; with a tool
+# killed by a signal (SIGPIPE when the controller closes the socket while the tool writes to it), the only
+# failures a read-only query is asked again for. Anything else (a bad job id, a wrong option) is final.
+_TRANSIENT = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "zero bytes were transmitted",
+    "connection refused",
+    "connection reset",
+    "broken pipe",
+)
 
 
 class SlurmError(RuntimeError):
@@ -27,17 +42,22 @@ def available() -> bool:
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return False
     try:
-        _run(["sinfo", "-h", "-o", "%P"])
+        _run(["sinfo", "-h", "-o", "%P"])  # a probe: not asked again
     except SlurmError:
         return False
     return True
 
 
-def _run(cmd: list[str], check: bool = True) -> str:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+def _run(cmd: list[str], check: bool = True, query: bool = False) -> str:
+    """Run a Slurm command and return its stdout; ``query`` marks a read-only one, asked again on a
+    transient failure (``_query``)."""
+    if query:
+        done = _query(cmd)
+    else:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
     if check and done.returncode != 0:
         raise SlurmError(
             f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}"
@@ -48,7 +68,7 @@ def _run(cmd: list[str], check: bool = True) -> str:
 def partitions() -> set[str]:
     """Partition names of the live cluster (the default one is printed with a '*', removed here)."""
     return {
-        line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines() if line.strip()
+        line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"], query=True).splitlines() if line.strip()
     }
 
 
@@ -73,14 +93,37 @@ def _parse_scontrol_record(text: str) -> dict[str, str]:
 _UNKNOWN_JOB = "invalid job id"  # scontrol's answer for a job that left slurmctld's memory (MinJobAge)
 
 
+def _transient(returncode: int, said: str) -> bool:
+    """True when a query's failure says the controller was not reached or the answer was cut, not that the
+    question was wrong: worth asking again."""
+    return returncode < 0 or any(marker in said.lower() for marker in _TRANSIENT)
+
+
+def _query(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a read-only Slurm query, asked again (``QUERY_TRIES`` in all, growing pauses) while it fails in
+    a transient way; the last answer is returned whatever it is. Never used for a command that changes
+    anything (sbatch, scancel, requeue): those are not safe to repeat."""
+    for attempt in range(1, QUERY_TRIES + 1):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired as exc:
+            if attempt == QUERY_TRIES:
+                raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+        except OSError as exc:
+            raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+        else:
+            said = done.stderr.strip() or done.stdout.strip()
+            if done.returncode == 0 or attempt == QUERY_TRIES or not _transient(done.returncode, said):
+                return done
+        time.sleep(QUERY_BACKOFF_S * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises on its last attempt
+
+
 def _show_job(job_id: str) -> str:
     """``scontrol show job -o`` of one job; '' when Slurm says it does not know it, ``SlurmError`` when
-    Slurm did not answer."""
+    Slurm did not answer (after ``_query``'s tries)."""
     cmd = ["scontrol", "show", "job", "-o", str(job_id)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmError(f"{' '.join(cmd)}: {exc}") from exc
+    done = _query(cmd)
     if done.returncode == 0:
         return done.stdout
     said = (done.stderr.strip() or done.stdout.strip())[-2000:]
@@ -139,7 +182,7 @@ ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", 
 
 def job_record(job_id: str) -> dict[str, str]:
     """``scontrol show job`` of one job as field -> value ({} when Slurm does not know it)."""
-    out = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+    out = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False, query=True)
     for line in out.splitlines():
         rec = _parse_scontrol_record(line)
         if "JobId" in rec:
@@ -162,7 +205,7 @@ def cancel(job_ids: Iterable[str]) -> None:
 def node_address(node: str) -> str | None:
     """The address Slurm reaches ``node`` at (its NodeAddr); None when unknown."""
     try:
-        rec = _parse_scontrol_record(_run(["scontrol", "show", "node", "-o", node]))
+        rec = _parse_scontrol_record(_run(["scontrol", "show", "node", "-o", node], query=True))
     except SlurmError:
         return None
     return rec.get("NodeAddr") or None
