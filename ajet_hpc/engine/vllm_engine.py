@@ -306,6 +306,11 @@ class VllmEngine(EngineLifecycle):
         else:
             raise EngineError(f"unknown weight-transfer call {method!r}")
 
+    async def abandon_weight_update(self) -> None:
+        """The server's job is ending during a sync whose sender stopped (``sync_channel.JOB_ENDING``):
+        generation resumes on a servable model, as after a failed sync; nothing when no sync is open."""
+        await self._end_update(failed=True)
+
     async def _end_update(self, failed: bool = False) -> None:
         """Resume generation after a sync; after a failed one first put the model back in a servable state
         (the layers that arrived keep their new values, the others their old ones: the trainer's restart

@@ -68,7 +68,9 @@ def _run(cmd: list[str], check: bool = True, query: bool = False) -> str:
 def partitions() -> set[str]:
     """Partition names of the live cluster (the default one is printed with a '*', removed here)."""
     return {
-        line.strip().rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"], query=True).splitlines() if line.strip()
+        line.strip().rstrip("*")
+        for line in _run(["sinfo", "-h", "-o", "%P"], query=True).splitlines()
+        if line.strip()
     }
 
 

@@ -48,12 +48,13 @@ from ajet_hpc.trainer.protocol import (
     StepResult,
     TrainerChannel,
     TrainerFailed,
+    WithheldWeights,
     WorkDir,
     encode_batch,
 )
 from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.trainer.samples import build_samples, gc_paused
-from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.sync_channel import SyncServer, announce_job_ending, clear
 from ajet_hpc.trainer.trackers import Trackers, step_histograms
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,10 @@ class Coordinator:
         """With in-memory weight syncs: the task that answers the ranks' control calls (``sync_channel``)."""
         if self.sync_backend is None:
             return None
-        server = SyncServer(WorkDir(self.work_dir).sync, self.ctx.engine.weight_transfer)
+        engine = self.ctx.engine
+        server = SyncServer(
+            WorkDir(self.work_dir).sync, engine.weight_transfer, abandon=engine.abandon_weight_update
+        )
         return asyncio.get_running_loop().create_task(server.serve(), name="weight-sync")
 
     async def _start_ranks(self) -> TrainerChannel:
@@ -339,6 +343,11 @@ class Coordinator:
 
     async def _resume(self, ready: dict) -> None:
         started = time.monotonic()
+        if ready.get("weights") == WithheldWeights.kind:  # the job began to end while the ranks started
+            if not self.stopping:
+                raise TrainerFailed(f"the ranks resumed at step {self.step} but withheld its weights")
+            log.info("resumed at step %d as the job ends: the engine gets no weights", self.step)
+            return
         if ready.get("weights") == "memory":  # the ranks sent the checkpoint's weights while starting
             if self.ctx.engine.policy_version != self.step:
                 raise TrainerFailed(
@@ -468,6 +477,8 @@ class Coordinator:
                 return True
             trained = time.monotonic()
             wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
+            if isinstance(result.weights, WithheldWeights):  # only while save_on_signal runs, not here
+                raise TrainerFailed(f"step {step}'s weights were withheld, yet the job is not ending")
             if isinstance(result.weights, MemoryWeights):  # sent before the result was written
                 sync_s = result.weights.send_s
                 pause_s = getattr(self.ctx.engine, "last_pause_s", 0.0)
@@ -491,9 +502,15 @@ class Coordinator:
         (metrics row, server store): its result would otherwise be lost with the batch. Then the ranks save
         that step unless the trusted checkpoint already is it, and are asked to exit. Returns the step
         saved, None when there was nothing to save (no step yet, or the ranks are not up).
+
+        An in-memory weight sync needs the blocked loop (``SyncServer``), so the job-ending marker goes
+        first: the step's send stops, or is never begun, and its result comes with the weights withheld
+        (the checkpoint of the step carries them to the requeued job).
         """
         self.stopping = True
         channel = self.channel
+        if channel is not None:
+            announce_job_ending(channel.work.sync)
         if channel is None or self.process is None or self.process.poll() is not None:
             log.warning("signal: the trainer's ranks are not running; nothing to checkpoint")
             return None

@@ -14,7 +14,8 @@ temporary name and renamed, so a reader sees a whole file or none:
     The result, written by rank 0 after the optimizer step and the weight hand-off: a :class:`StepResult`
     as flat JSON (``{"step", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples",
     "step_time_s", "export_time_s", "checkpoint", "checkpoint_time_s", "weights"}`` with ``"weights":
-    "disk"`` and ``"weights_dir"``, or ``"weights": "memory"``, ``"sync_send_s"`` and ``"sync_bytes"``); or
+    "disk"`` and ``"weights_dir"``, ``"weights": "memory"``, ``"sync_send_s"`` and ``"sync_bytes"``, or
+    ``"weights": "withheld"`` when the server's job was ending and the in-memory send stopped); or
     ``{"step", "error"}`` when the step failed (the ranks then exit).
 ``weights/step-000001/``
     The full model as ``save_pretrained`` writes it, plus the initial model's tokenizer files: what the
@@ -265,7 +266,19 @@ class MemoryWeights:
         return {"weights": self.kind, "sync_send_s": self.send_s, "sync_bytes": self.bytes}
 
 
-WeightHandoff = DiskWeights | MemoryWeights
+@dataclass(frozen=True)
+class WithheldWeights:
+    """The server's job was ending when the step's weights were to be sent in memory (``sync_channel``'s
+    job-ending marker): the engine kept the previous ones, and the checkpoint the server asks for next
+    carries this step's to the requeued job."""
+
+    kind: ClassVar[Literal["withheld"]] = "withheld"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weights": self.kind}
+
+
+WeightHandoff = DiskWeights | MemoryWeights | WithheldWeights
 """How a step's weights reached the engine."""
 
 
@@ -278,7 +291,9 @@ def handoff_from_json(payload: dict[str, Any], what: str) -> WeightHandoff:
         return MemoryWeights(
             _field(payload, "sync_send_s", float, what), _field(payload, "sync_bytes", int, what)
         )
-    raise ValueError(f"{what}: field 'weights' is {kind!r}, not 'disk' nor 'memory'")
+    if kind == WithheldWeights.kind:
+        return WithheldWeights()
+    raise ValueError(f"{what}: field 'weights' is {kind!r}, not 'disk', 'memory' nor 'withheld'")
 
 
 @dataclass(frozen=True)

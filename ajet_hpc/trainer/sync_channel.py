@@ -7,6 +7,12 @@ dir on shared storage: the rank writes ``sync/call-<session>-<n>.pkl`` (method a
 :class:`SyncServer` runs it on the engine and answers with ``done-<session>-<n>.pkl``. Only the calls go
 this way; the weights themselves travel over the transfer group (NCCL, CUDA IPC or gloo). Every wait has a
 timeout, so a side that stops fails the step with an error naming it instead of hanging.
+
+When its job goes down, the server saves inside a signal handler on the event loop's thread, and the loop
+(which :class:`SyncServer` needs to answer) stays blocked while it waits for the step in flight. It first
+leaves the :data:`JOB_ENDING` marker: a rank's call already waiting, or about to be made, then ends with
+:class:`SyncInterrupted` instead of waiting for an answer that cannot come, and the step completes with its
+weights withheld from the engine (the checkpoint the save asks for carries them to the requeued job).
 """
 
 from __future__ import annotations
@@ -28,10 +34,27 @@ METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights
 ENGINE_UP = "engine-up"
 """The marker :class:`SyncServer` leaves in the folder when it starts, its engine serving: ranks started
 while the engine still loads (``Coordinator.prestart``) open their transfer group only once it is there."""
+JOB_ENDING = "job-ending"
+"""The marker the server leaves when its job goes down and it saves (``Coordinator.save_on_signal``): it
+answers no more calls."""
 
 
 class SyncFailed(RuntimeError):
     """A weight sync did not complete; the message names the side that stopped."""
+
+
+class SyncInterrupted(SyncFailed):
+    """The server's job is ending (:data:`JOB_ENDING`): the sync stops, the step itself stands."""
+
+
+def announce_job_ending(folder: Path) -> None:
+    """The server's side, before it blocks to save: no call will be answered any more."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / JOB_ENDING).touch()
+
+
+def job_ending(folder: Path) -> bool:
+    return (Path(folder) / JOB_ENDING).exists()
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -80,14 +103,17 @@ class FileSyncClient:
         self._call("finish_weight_update", None if version is None else str(version))
 
     def _call(self, method: str, argument: Any = None) -> Any:
+        self._check_job_ending(method)
         self.count += 1
         name = f"{self.session}-{self.count:06d}"
-        _write(
-            self.folder / f"call-{name}.pkl", {"method": method, "argument": argument, "sent": time.time()}
-        )
+        call_path = self.folder / f"call-{name}.pkl"
+        _write(call_path, {"method": method, "argument": argument, "sent": time.time()})
         answer_path = self.folder / f"done-{name}.pkl"
         deadline = time.monotonic() + self.timeout_s
         while (answer := _read(answer_path)) is None:
+            if job_ending(self.folder):
+                call_path.unlink(missing_ok=True)  # not run later, once the server's loop goes on
+                self._check_job_ending(method)
             if time.monotonic() > deadline:
                 raise SyncFailed(
                     f"weight sync: the server did not complete {method} within weight_sync_timeout_s="
@@ -97,9 +123,15 @@ class FileSyncClient:
                 raise SyncFailed(f"weight sync: the server went away during {method}")
             time.sleep(0.005)
         answer_path.unlink(missing_ok=True)
+        if answer.get("job_ending"):
+            self._check_job_ending(method)
         if not answer.get("ok"):
             raise SyncFailed(f"weight sync: the server's engine failed {method}: {answer.get('error')}")
         return answer.get("result")
+
+    def _check_job_ending(self, method: str) -> None:
+        if job_ending(self.folder):
+            raise SyncInterrupted(f"weight sync: the server's job is ending; {method} is not sent")
 
 
 def wait_for_engine(folder: Path, alive: Callable[[], bool], poll_s: float = 0.2) -> bool:
@@ -127,12 +159,16 @@ class SyncServer:
         poll_s: float = 0.01,
         idle_poll_s: float = 0.1,
         busy_s: float = 2.0,
+        abandon: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Calls are looked for every ``poll_s`` within ``busy_s`` of the last one (the calls of a sync come
         in a burst), else every ``idle_poll_s``: a run of days lists the folder ten times a second, not a
-        hundred, on shared storage."""
+        hundred, on shared storage. ``abandon`` is awaited when a call finds the job ending (the engine
+        resumes generation if a sync had paused it)."""
         self.folder = Path(folder)
         self.handler = handler
+        self.abandon = abandon
+        self._abandoned = False
         self.poll_s, self.idle_poll_s, self.busy_s = poll_s, idle_poll_s, busy_s
         self.busy_since: float | None = None  # monotonic time the call in progress began
         self._last_call = float("-inf")
@@ -142,6 +178,8 @@ class SyncServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / ENGINE_UP).touch()
         while True:
+            if not self._abandoned and job_ending(self.folder):
+                await self._abandon_once()
             calls = sorted(self.folder.glob("call-*.pkl"))
             if not calls:
                 recent = time.monotonic() - self._last_call < self.busy_s
@@ -158,6 +196,11 @@ class SyncServer:
         if call is None:
             return
         method = call.get("method")
+        if job_ending(self.folder):  # the rank stopped waiting for it: never run, answered for the record
+            log.info("weight sync: %s not run, the job is ending", method)
+            await self._abandon_once()
+            _write(self.folder / f"done-{name}", {"ok": False, "job_ending": True, "error": "job ending"})
+            return
         self.busy_since = time.monotonic()
         try:
             if method not in METHODS:
@@ -170,3 +213,13 @@ class SyncServer:
         finally:
             self.busy_since = None
         _write(self.folder / f"done-{name}", answer)
+
+    async def _abandon_once(self) -> None:
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self.abandon is not None:
+            try:
+                await self.abandon()
+            except Exception:  # the job is going down: logged, never raised into the loop
+                log.exception("weight sync: abandoning the sync in progress failed")

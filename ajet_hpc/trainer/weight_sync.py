@@ -43,21 +43,38 @@ def zero_source(module: torch.nn.Module, zero3: bool):
             self.layer_groups = layerwise_groups([m.name for m in self.meta])
             order = [n for group in self.layer_groups for n in group]
             self.meta = sorted(self.meta, key=lambda m: order.index(m.name))
+            self.gathered = 0  # groups of the current pass gathered so far (see `drain`)
 
         def metadata(self):
             return self.meta
 
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for group in self.layer_groups:
-                params = [self.params[n] for n in group]
-                if zero3:
-                    import deepspeed
+        def new_pass(self) -> None:
+            """A send begins: none of its gathers is done yet."""
+            self.gathered = 0
 
-                    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                        copies = [p.data.detach().clone() for p in params]
-                else:
-                    copies = [p.data.detach() for p in params]
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            self.new_pass()
+            for group in self.layer_groups:
+                copies = self._gather(group)
+                self.gathered += 1
                 yield from zip(group, copies, strict=True)
+
+        def drain(self) -> None:
+            """Take part in the gathers of the pass that are left (a send stopped before its end): under
+            ZeRO-3 every rank must join each layer's gather, or the others wait in it for ever."""
+            if zero3:
+                for group in self.layer_groups[self.gathered :]:
+                    self._gather(group)
+            self.gathered = len(self.layer_groups)
+
+        def _gather(self, group: list[str]) -> list[torch.Tensor]:
+            params = [self.params[n] for n in group]
+            if not zero3:
+                return [p.data.detach() for p in params]
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return [p.data.detach().clone() for p in params]
 
     return ZeroSource()
 
@@ -76,6 +93,7 @@ def _address(engine_host: str | None) -> str:
 class SyncStats:
     seconds: float
     bytes: int
+    withheld: bool = False  # the server's job was ending: the weights did not reach the engine
 
 
 class WeightSender:
@@ -141,10 +159,22 @@ class WeightSender:
         )
 
     def send(self, version: int) -> SyncStats:
-        """Send the current weights, tagged as policy ``version``; every rank calls it."""
+        """Send the current weights, tagged as policy ``version``; every rank calls it. When the server's
+        job is ending (``sync_channel.SyncInterrupted``, only rank 0 talks to the server) the send stops,
+        rank 0 still joins the gathers the other ranks are in, and the weights are reported withheld."""
+        from ajet_hpc.trainer.sync_channel import SyncInterrupted
+
         started = time.monotonic()
         self.client.version = version
-        self.engine.send_weights()
+        self.source.new_pass()
+        try:
+            self.engine.send_weights()
+        except SyncInterrupted as stopped:
+            log.warning(
+                "%s: step %d's weights stay with the trainer (its checkpoint carries them)", stopped, version
+            )
+            self.source.drain()
+            return SyncStats(time.monotonic() - started, 0, withheld=True)
         return SyncStats(time.monotonic() - started, self.bytes if self.rank == 0 else 0)
 
 

@@ -37,7 +37,15 @@ from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
 from ajet_hpc.trainer import protocol, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
 from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
-from ajet_hpc.trainer.protocol import Batch, DiskWeights, MemoryWeights, StepResult, WeightHandoff, WorkDir
+from ajet_hpc.trainer.protocol import (
+    Batch,
+    DiskWeights,
+    MemoryWeights,
+    StepResult,
+    WeightHandoff,
+    WithheldWeights,
+    WorkDir,
+)
 from ajet_hpc.trainer.step import train_step
 from ajet_hpc.trainer.sync_channel import ENGINE_UP, wait_for_engine
 
@@ -279,6 +287,8 @@ class Rank:
         """Hand the engine step ``step``'s weights: sent in memory, or exported for a reload from disk."""
         if self.sender is not None:
             stats = self.sender.send(step)
+            if stats.withheld:
+                return WithheldWeights()
             return MemoryWeights(send_s=round(stats.seconds, 4), bytes=stats.bytes)
         return DiskWeights(zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank))
 

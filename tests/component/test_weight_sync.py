@@ -4,7 +4,8 @@ same control calls the server makes. Three GRPO steps give the engine the same l
 exported weights from disk, 2 ranks: an untied model under ZeRO-2 (the common case) and a tied one under
 ZeRO-3 (the head shares the gathered embedding). The other two pairs add no code path (the sender leaves
 a tied head out under either stage, the engine ties it back) and cost 40 s of CI each. A rank killed
-mid-transfer fails the step with a clear error within the timeout.
+mid-transfer fails the step with a clear error within the timeout. Slurm's signal landing during a sync
+saves the step at once (the sync stops; the checkpoint carries the weights).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from coordinator_support import REPEATS, coordinator_for, finished
 from support import tied_copy
 from transformers import AutoModelForCausalLM
 
@@ -26,9 +28,16 @@ from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.weight_transfer import STALL_VAR
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer import weight_sync
+from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import DiskWeights, MemoryWeights, TrainerChannel, TrainerFailed, WorkDir
+from ajet_hpc.trainer.protocol import (
+    DiskWeights,
+    MemoryWeights,
+    TrainerChannel,
+    TrainerFailed,
+    WorkDir,
+    read_trainer_state,
+)
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 pytestmark = pytest.mark.slow
@@ -218,4 +227,78 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
     assert step_failed_after < timeout_s
     assert serving_after < 2 * timeout_s + 30
     assert engine.last_pause_s < 2 * timeout_s + 30
+    loop.run_until_complete(engine.load_weights(model, 0))
+
+
+@pytest.mark.parametrize("model", ["untied"], indirect=True)
+def test_a_signal_during_a_sync_saves_the_step_without_waiting_for_the_blocked_loop(
+    loop, engine, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save on Slurm's signal runs on the event loop's thread and blocks it; the in-memory sync's
+    control calls need that loop. Here the signal lands while rank 0 waits for its ``start_weight_update``
+    of step 2: the server's handler for that call runs ``save_on_signal`` itself, exactly where a signal
+    handler would run (the loop blocked, the call unanswered). Two ZeRO-3 ranks, so rank 1 sits in the
+    layer gathers meanwhile. The save must not wait for an answer that cannot come: step 2 is recorded with
+    its weights withheld, checkpointed on request, the ranks exit, all well within the budget; the engine
+    was never paused and serves."""
+    budget_s = 120.0
+    coordinator = coordinator_for(
+        tmp_path,
+        engine,
+        ranks=2,
+        zero_stage=3,
+        total_steps=3,
+        save_every=100,
+        weight_sync="memory",
+        weight_sync_timeout_s=300,  # the deadlock this test guards against would wait out the budget
+        micro_batch_tokens=64,
+    )
+    assert coordinator.sync_backend == "ajet_gloo"
+    real = engine.weight_transfer
+    saved: dict[str, float | int | None] = {}
+
+    async def signal_during_start_of_step_2(method: str, argument) -> None:
+        flight = coordinator._in_flight
+        if method == "start_weight_update" and flight is not None and flight.step == 2 and not saved:
+            began = time.monotonic()
+            saved["step"] = coordinator.save_on_signal(budget_s)  # blocks the loop, as the handler does
+            saved["seconds"] = time.monotonic() - began
+            raise RuntimeError("the job is going down (this call is never answered to a waiting rank)")
+        return await real(method, argument)
+
+    monkeypatch.setattr(engine, "weight_transfer", signal_during_start_of_step_2)
+
+    async def scenario() -> None:
+        for task in ("t0", "t1", "t2"):
+            for repeat in range(REPEATS):
+                coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
+        training = asyncio.create_task(coordinator.run())
+        deadline = time.monotonic() + 300
+        while not saved:
+            assert not training.done(), training
+            assert time.monotonic() < deadline, "step 2's sync never started"
+            await asyncio.sleep(0.1)
+        training.cancel()  # the server's shutdown after the save
+        await asyncio.gather(training, return_exceptions=True)
+        assert coordinator.process is not None
+        await asyncio.to_thread(coordinator.process.wait, 60)  # the ranks obeyed the stop
+
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        if coordinator.process is not None and coordinator.process.poll() is None:
+            kill_tree(coordinator.process.pid)
+    assert saved["step"] == 2
+    assert saved["seconds"] < budget_s / 2, saved
+    rows = metrics.read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert [(row["step"], row["weight_sync"]) for row in rows] == [(1, "memory"), (2, "withheld")]
+    state = read_trainer_state(WorkDir(coordinator.work_dir))
+    assert state is not None and state.step == 2  # the save on the signal, not a periodic one
+    assert engine.policy_version == 1  # the engine kept step 1's weights
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Still serving?"}], add_generation_prompt=True, return_dict=False
+    )
+    assert loop.run_until_complete(
+        asyncio.wait_for(generate_all(engine, prompt, GREEDY, "after"), 60)
+    ).token_ids
     loop.run_until_complete(engine.load_weights(model, 0))

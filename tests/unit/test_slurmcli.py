@@ -1,4 +1,4 @@
-"""Parsing of scontrol records and the retry of cut queries (the real commands are exercised in tests/cluster)."""
+"""Parsing of scontrol records and the retry of cut queries (the real commands: tests/cluster)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def _flaky_tool(tmp_path: Path, failures: str) -> Path:
         f'n=$(cat "{count}" 2>/dev/null || echo 0); n=$((n+1)); echo $n > "{count}"\n'
         f"set -- {failures}\n"
         'i=1; for f in "$@"; do if [ $i = $n ]; then\n'
-        '  case $f in pipe) kill -PIPE $$;; socket) echo "Socket timed out on send/recv operation" >&2; exit 1;;\n'
+        "  case $f in pipe) kill -PIPE $$;;\n"
+        '  socket) echo "Socket timed out on send/recv operation" >&2; exit 1;;\n'
         '  bad) echo "invalid option" >&2; exit 1;; esac; fi; i=$((i+1)); done\n'
         'echo "JobId=27 JobState=RUNNING Partition=gpu NodeList=g1"\n'
     )
@@ -54,7 +55,9 @@ def _calls(tmp_path: Path) -> int:
     return int((tmp_path / "calls").read_text())
 
 
-def test_a_query_cut_by_the_controller_is_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_query_cut_by_the_controller_is_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(slurmcli, "QUERY_BACKOFF_S", 0.01)
     tool = _flaky_tool(tmp_path, "pipe socket")
     done = slurmcli._query([str(tool)])
