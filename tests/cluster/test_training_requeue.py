@@ -6,10 +6,10 @@ step. Later ``scontrol requeue`` (Slurm's SIGTERM only) makes it save the step i
 there. The clients find the server again by themselves both times, and every step appears exactly
 once in metrics.jsonl.
 
-The weights reach the engine through disk here, not in memory as in the quickstart: a save on a signal
-that lands while a step's in-memory weight sync is pending waits for that step with the event loop
-blocked, and the sync needs that loop (known, open in issue 13; docs/reliability.md, "Known gap"). CI hit it
-once the steps got faster; on disk the step finishes without the loop and the save takes it.
+The weights reach the engine in memory, as in the quickstart. A signal may land while a step's weights are
+being sent: the save then stops that sync (its control calls need the event loop the save blocks) and the
+step's checkpoint carries its weights to the requeued job (docs/reliability.md, "A signal during an
+in-memory weight sync").
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         f"servers.policy.trainer.save_every={SAVE_EVERY}",
         "servers.policy.trainer.tasks_per_batch=4",  # a quarter of the quickstart's batch: the
         "servers.policy.trainer.repeats=4",  # signals and requeues are what is tested, not learning
-        "servers.policy.trainer.weight_sync=disk",  # see the module doc
     ]
     done = run_module("ajet_hpc.launch", str(REPO / "configs" / "quickstart.yaml"), *overrides)
     assert done.returncode == 0, done.stderr + done.stdout
