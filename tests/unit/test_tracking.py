@@ -345,3 +345,28 @@ def test_record_rejects_logprobs_of_another_length(tokenizer) -> None:
     with pytest.raises(ValueError, match="logprobs"):
         tracker.record(plan, [5, 6], [0.0], {"role": "assistant", "content": "x"}, "stop", 0)
     assert tracker.timelines == []
+
+
+def test_the_plan_owns_a_deep_copy_of_the_request_whatever_it_holds(tokenizer) -> None:
+    from ajet_hpc.tracking.context import owned_copy
+
+    shared = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": shared}]},
+        {"role": "tool", "content": "sunny", "extra": (1, 2.5, True, {"deep": [shared]})},
+    ]
+    copied = owned_copy(messages)
+    assert copied == messages and copied is not messages
+    assert copied[1]["tool_calls"][0]["function"] is not shared
+    # shared parts stay shared with each other, as with copy.deepcopy
+    assert copied[2]["extra"][3]["deep"][0] is copied[1]["tool_calls"][0]["function"]
+    unpicklable = [{"role": "user", "content": "hi", "hook": lambda: None}]
+    fallback = owned_copy(unpicklable)  # a lambda does not pickle: deep-copied instead
+    assert fallback[0] is not unpicklable[0] and fallback[0]["content"] == "hi"
+
+    tracker = ContextTracker(tokenizer)
+    plan = tracker.build_prompt(messages, TOOLS)
+    messages[0]["content"] = "changed by the caller afterwards"
+    assert plan.messages[0]["content"] == "Weather?"
+    assert plan.tools == TOOLS and plan.tools is not TOOLS and plan.tools[0] is not TOOLS[0]
