@@ -46,6 +46,7 @@ import asyncio
 import dataclasses
 import io
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,6 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
-import torch.utils.serialization as torch_serialization
 
 from ajet_hpc.algo.samples import ARRAY_TYPES, Sample
 from ajet_hpc.storage.files import read_json, write_bytes_atomic, write_json_atomic
@@ -159,6 +159,9 @@ class Batch:
     save_checkpoint: bool
 
 
+_CRC32_SETTING = threading.Lock()
+"""Held while `encode_batch` has torch's process-wide CRC32 option switched off."""
+
 _ARRAY_FIELDS = ARRAY_TYPES
 """Per-token fields of a sample, stored as tensors (exact: 64-bit, the 0/1 loss mask 8-bit); pickling them
 as lists of Python numbers (and ``dataclasses.asdict``'s deep copy) cost seconds per step at real batch
@@ -170,9 +173,10 @@ def encode_batch(step: int, samples: list[Sample], save_checkpoint: bool) -> byt
     """The bytes of a batch file (see the module doc); the per-token fields are one tensor each (cast from
     the samples' arrays; lists are converted).
 
-    Written without torch's per-record CRC32 (``compute_crc32=False``; ``torch.load`` reads such files): at a
-    real batch (90 MB) the checksum is a third of the encoding's time, and a batch file is never read before
-    it is whole (written to a temporary name, fsynced, renamed)."""
+    Written without torch's per-record CRC32 (``torch.serialization.set_crc32_options``, a process-wide
+    setting: switched off under a lock for this save only; ``torch.load`` reads such files): at a real batch
+    (90 MB) the checksum is a third of the encoding's time, and a batch file is never read before it is
+    whole (written to a temporary name, fsynced, renamed)."""
     if step < 1:
         raise ValueError(f"steps start at 1, got {step}")
     if not samples:
@@ -200,8 +204,13 @@ def encode_batch(step: int, samples: list[Sample], save_checkpoint: bool) -> byt
         "columns": columns,
     }
     buffer = io.BytesIO()
-    with torch_serialization.config.patch({"save.compute_crc32": False}):
-        torch.save(payload, buffer)
+    with _CRC32_SETTING:
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(payload, buffer)
+        finally:
+            torch.serialization.set_crc32_options(crc32)
     return buffer.getvalue()
 
 

@@ -55,3 +55,19 @@ def test_batch_files_read_back_exactly_and_the_former_layout_still_reads(tmp_pat
         assert read_batch(write_batch(work, step, samples, save, encoded=made_before)).samples == samples
         work.batch_file(step).write_bytes(reference_bytes(step, samples, save))
         assert read_batch(work.batch_file(step)).samples == samples
+
+
+def test_a_batch_is_written_without_crc32_and_torch_s_setting_is_left_as_it_was(tmp_path: Path) -> None:
+    import zipfile
+
+    samples = [random_sample(random.Random(3), i) for i in range(4)]
+    assert torch.serialization.get_crc32_options() is True
+    data = encode_batch(1, samples, False)
+    assert torch.serialization.get_crc32_options() is True  # other saves of the process keep their CRC
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:  # torch's zip: the records carry no checksum
+        assert {info.CRC for info in archive.infolist() if info.file_size} == {0}
+    assert read_batch(write_batch(WorkDir(tmp_path), 1, samples, False, encoded=data)).samples == samples
+    buffer = io.BytesIO()
+    torch.save({"x": torch.ones(3)}, buffer)  # a save outside encode_batch still has them
+    with zipfile.ZipFile(buffer) as archive:
+        assert any(info.CRC for info in archive.infolist() if info.file_size)
