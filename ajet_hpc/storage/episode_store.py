@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 _SPACE = {space: i for i, space in enumerate(SPACES)}
 _BATCH = 8192  # episodes / steps parsed per read when building summaries
 _COMPRESS_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # threads compressing a group's chunks
+_Chunk = tuple[SealedColumn, int, np.ndarray, Future[bytes] | None]
+"""A chunk a group filled: its column, index, data, and its compression (None: compressed at write time)."""
 
 
 class UnstorableRecord(StoreError):
@@ -298,28 +300,26 @@ class EpisodeWriter:
                     "the store at its last commit"
                 ) from exc
 
-    def _stage(
-        self, records: Sequence[EpisodeRecord | StepRecord]
-    ) -> tuple[Append, list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]]]:
+    def _stage(self, records: Sequence[EpisodeRecord | StepRecord]) -> tuple[Append, list[_Chunk]]:
         """Encode ``records`` one by one into the columns' open chunks; each chunk filled on the way is
         handed to the compression threads at once. Returns the group's rows and offsets (its column values
-        are in the chunks) and the filled chunks ``(column, index, compressed future or data)``. A record
-        that cannot be stored undoes the staging (nothing of the group stays) and raises."""
+        are in the chunks) and the filled chunks (``_Chunk``). A record that cannot be stored undoes the
+        staging (nothing of the group stays) and raises."""
         saved = {name: column.save() for name, column in self._columns.items()}
         pool = self._compressor()
         encoded: list[Append] = []
-        full: list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]] = []
+        full: list[_Chunk] = []
         try:
             for index, record in enumerate(records):
                 append = self._encode(record, index)
                 for name, values in append.columns.items():
                     column = self._columns[name]
                     for k, data in column.stage(values):
-                        full.append((column, k, pool.submit(column.compress, data) if pool else data))
+                        full.append((column, k, data, pool.submit(column.compress, data) if pool else None))
                 encoded.append(append)
         except BaseException:
-            for _, _, job in full:
-                if isinstance(job, Future):
+            for _, _, _, job in full:
+                if job is not None:
                     job.cancel()
             for name, column in self._columns.items():
                 column.restore(saved[name])
@@ -345,19 +345,18 @@ class EpisodeWriter:
             ) from exc
         log.warning("%s: reopened at its last commit after a failed append; appending again", self.path)
 
-    def _write(
-        self, f: h5py.File, encoded: Append, full: list[tuple[SealedColumn, int, Future[bytes] | np.ndarray]]
-    ) -> None:
+    def _write(self, f: h5py.File, encoded: Append, full: list[_Chunk]) -> None:
         old = self._counts
         new = old.copy()
         for space, n in encoded.counts.items():
             new[_SPACE[space]] += n
         if full:  # a tail slot may be reused next: readers must see the seal first
-            last = {id(column): (column, k) for column, k, _ in full}  # (each column's chunks in order)
+            last = {id(column): (column, k) for column, k, _, _ in full}  # (each column's chunks in order)
             for column, k in last.values():
                 column.reserve(k + 1)
-            for column, k, job in full:
-                column.seal(k, job.result() if isinstance(job, Future) else column.compress(job))
+            for column, k, data, job in full:
+                column.seal(k, job.result() if job is not None else column.compress(data))
+                column.recycle(data)
             f.flush()
             self._write_sealed()
             f.flush()

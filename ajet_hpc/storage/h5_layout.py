@@ -515,6 +515,10 @@ class SealedColumn:
         self.buf = np.zeros(self.chunk, self.main.dtype)
         self.fill = self.sealed = self._clean = 0
         self._shuffle, self._level = _filters(self.main)
+        # Buffers of chunks written out, reused for the chunks to come (up to ~8 MB a column): a fresh
+        # buffer, or a copy of each full one, cost more than filling it (page faults on every allocation).
+        self._spare: list[np.ndarray] = []
+        self._spare_max = max(2, (8 << 20) // self.buf.nbytes)
 
     def recover(self, count: int, sealed_on_disk: int) -> None:
         """Continue after ``count`` committed elements. The open chunk's committed part is in its tail slot,
@@ -529,12 +533,13 @@ class SealedColumn:
         self._clean = self.fill
 
     def save(self) -> tuple[int, int, int, np.ndarray]:
-        """The staging state, for ``restore`` (a group that turns out unstorable is undone)."""
-        return self.sealed, self.fill, self._clean, self.buf[: self.fill].copy()
+        """The staging state, for ``restore`` (a group that turns out unstorable is undone). Without a copy:
+        staging never writes below ``fill`` of the open chunk's buffer, and a chunk that fills is handed on
+        in its buffer (another takes its place), so the buffer kept here still holds the open part."""
+        return self.sealed, self.fill, self._clean, self.buf
 
     def restore(self, state: tuple[int, int, int, np.ndarray]) -> None:
-        self.sealed, self.fill, self._clean, open_part = state
-        self.buf[: self.fill] = open_part
+        self.sealed, self.fill, self._clean, self.buf = state
 
     def drop_unsealed(self) -> None:
         """Shrink the column to its sealed chunks (after ``sealed`` says so: readers never look past it)."""
@@ -543,7 +548,7 @@ class SealedColumn:
     def stage(self, values: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """Add ``values``; returns the chunks they filled, ``(index, data)``, to compress (``compress``, any
         thread: zlib releases the GIL) and write (``seal``) before ``sealed`` is flushed and ``write_tail``
-        runs."""
+        runs; each ``data`` is given back with ``recycle`` once written."""
         pos, full = 0, []
         while pos < len(values):
             take = min(self.chunk - self.fill, len(values) - pos)
@@ -551,9 +556,15 @@ class SealedColumn:
             self.fill += take
             pos += take
             if self.fill == self.chunk:
-                full.append((self.sealed, self.buf.copy()))
+                full.append((self.sealed, self.buf))
+                self.buf = self._spare.pop() if self._spare else np.empty(self.chunk, self.main.dtype)
                 self.sealed, self.fill, self._clean = self.sealed + 1, 0, 0
         return full
+
+    def recycle(self, data: np.ndarray) -> None:
+        """Take back the buffer of a chunk that ``stage`` handed on, once it is compressed and written."""
+        if len(self._spare) < self._spare_max and data is not self.buf:
+            self._spare.append(data)
 
     def seal(self, k: int, compressed: bytes) -> None:
         """Write chunk ``k``, compressed, to the column (once: see the module's docstring); the column grows
