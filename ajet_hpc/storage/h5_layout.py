@@ -611,10 +611,10 @@ class SealedColumn:
         contiguous = np.ascontiguousarray(data)
         if self._shuffle:
             contiguous = np.ascontiguousarray(contiguous.view(np.uint8).reshape(-1, data.itemsize).T)
-        return deflate(contiguous, self._level)
+        return deflate(memoryview(contiguous), self._level)
 
 
-def deflate(raw: bytes | np.ndarray, level: int) -> bytes:
+def deflate(raw: bytes | memoryview, level: int) -> bytes:
     """``raw`` as a zlib stream (what HDF5's deflate filter stores and inflates), at the column's ``level``.
     Levels 1-3 go through ISA-L's igzip when the ``isal`` package is there: the same format (any zlib
     inflates it, HDF5 included), about 6x less CPU than zlib at level 1 on the benchmark's chunks and a
