@@ -611,7 +611,7 @@ class SealedColumn:
         contiguous = np.ascontiguousarray(data)
         if self._shuffle:
             contiguous = np.ascontiguousarray(contiguous.view(np.uint8).reshape(-1, data.itemsize).T)
-        return deflate(memoryview(contiguous), self._level)
+        return deflate(contiguous.data, self._level)
 
 
 def deflate(raw: bytes | memoryview, level: int) -> bytes:
