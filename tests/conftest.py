@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -65,4 +66,10 @@ def _diagnosis(tmp_path: Path, lines: int = 12, files: int = 8) -> str:
     for path in recent:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"--- {path.relative_to(tmp_path)} (last {lines} lines)\n" + "\n".join(tail))
+    for path in sorted(tmp_path.glob("**/logs/server-*/*.out")):  # a server's whole life, in its events
+        events = [line for line in path.read_text(errors="replace").splitlines() if _EVENT.search(line)]
+        parts.append(f"--- {path.relative_to(tmp_path)} (its events)\n" + "\n".join(events[-60:]))
     return "\n".join(parts)
+
+
+_EVENT = re.compile(r"signal|sigterm|usr2|requeue|resum|checkpoint|preempt|traceback|error|warn|exit", re.I)

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 BACKEND_VAR = "AJET_WEIGHT_SYNC"
 WORKERS_VAR = "AJET_ENGINE_WORKERS"
+RENDEZVOUS = ("nccl", "ajet_gloo")
+"""Backends whose engine receives inside ``update_weights`` while rank 0 sends, in the same collectives:
+rank 0 sends only once the server took that call (`sync_channel.Expected`). IPC hands the engine buffers
+in the call itself and needs no gate."""
 
 
 def zero_source(module: torch.nn.Module, zero3: bool):
@@ -44,6 +48,7 @@ def zero_source(module: torch.nn.Module, zero3: bool):
             order = [n for group in self.layer_groups for n in group]
             self.meta = sorted(self.meta, key=lambda m: order.index(m.name))
             self.gathered = 0  # groups of the current pass gathered so far (see `drain`)
+            self.gate: Callable[[], None] | None = None  # rank 0: waits until the engine receives
 
         def metadata(self):
             return self.meta
@@ -54,6 +59,8 @@ def zero_source(module: torch.nn.Module, zero3: bool):
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
             self.new_pass()
+            if self.gate is not None:  # before the first gather: on SyncInterrupted, `drain` does them all
+                self.gate()
             for group in self.layer_groups:
                 copies = self._gather(group)
                 self.gathered += 1
@@ -167,6 +174,9 @@ class WeightSender:
         started = time.monotonic()
         self.client.version = version
         self.source.new_pass()
+        if self.rank == 0 and self.backend in RENDEZVOUS:
+            receiving = self.client.expect("update_weights")
+            self.source.gate = lambda: receiving.wait_taken(self.client.timeout_s)
         try:
             self.engine.send_weights()
         except SyncInterrupted as stopped:
@@ -175,6 +185,8 @@ class WeightSender:
             )
             self.source.drain()
             return SyncStats(time.monotonic() - started, 0, withheld=True)
+        finally:
+            self.source.gate = None
         return SyncStats(time.monotonic() - started, self.bytes if self.rank == 0 else 0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -236,16 +237,22 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
 
 
 @pytest.mark.parametrize("model", ["untied"], indirect=True)
+@pytest.mark.parametrize("signal_at", ["start_weight_update", "update_weights"])
 def test_a_signal_during_a_sync_saves_the_step_without_waiting_for_the_blocked_loop(
-    loop, engine, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    loop, engine, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signal_at: str
 ) -> None:
     """The save on Slurm's signal runs on the event loop's thread and blocks it; the in-memory sync's
-    control calls need that loop. Here the signal lands while rank 0 waits for its ``start_weight_update``
-    of step 2: the server's handler for that call runs ``save_on_signal`` itself, exactly where a signal
-    handler would run (the loop blocked, the call unanswered). Two ZeRO-3 ranks, so rank 1 sits in the
-    layer gathers meanwhile. The save must not wait for an answer that cannot come: step 2 is recorded with
-    its weights withheld, checkpointed on request, the ranks exit, all well within the budget; the engine
-    was never paused and serves."""
+    control calls need that loop. Here the signal lands during step 2's sync, where a signal handler would
+    run (the loop blocked, the call unanswered):
+
+    - ``start_weight_update``: the server's handler for that call runs ``save_on_signal`` itself, while
+      rank 0 waits for its answer;
+    - ``update_weights``: the sync server runs ``save_on_signal`` when it finds that call and before it
+      takes it (the window CI once hit): the engine never receives, so rank 0 must not begin to send.
+
+    Two ZeRO-3 ranks, so rank 1 sits in the layer gathers meanwhile. The save must not wait for an answer
+    that cannot come: step 2 is recorded with its weights withheld, checkpointed on request, the ranks exit,
+    all well within the budget; the engine serves."""
     budget_s = 120.0
     coordinator = coordinator_for(
         tmp_path,
@@ -259,19 +266,34 @@ def test_a_signal_during_a_sync_saves_the_step_without_waiting_for_the_blocked_l
         micro_batch_tokens=64,
     )
     assert coordinator.sync_backend == "ajet_gloo"
-    real = engine.weight_transfer
+    real, answer = engine.weight_transfer, SyncServer._answer
     saved: dict[str, float | int | None] = {}
 
-    async def signal_during_start_of_step_2(method: str, argument) -> None:
+    def signal_now(method: str) -> bool:
         flight = coordinator._in_flight
-        if method == "start_weight_update" and flight is not None and flight.step == 2 and not saved:
-            began = time.monotonic()
-            saved["step"] = coordinator.save_on_signal(budget_s)  # blocks the loop, as the handler does
-            saved["seconds"] = time.monotonic() - began
+        if method != signal_at or flight is None or flight.step != 2 or saved:
+            return False
+        began = time.monotonic()
+        saved["step"] = coordinator.save_on_signal(budget_s)  # blocks the loop, as the handler does
+        saved["seconds"] = time.monotonic() - began
+        return True
+
+    async def signal_during_start_of_step_2(method: str, argument) -> None:
+        if signal_now(method):
             raise RuntimeError("the job is going down (this call is never answered to a waiting rank)")
         return await real(method, argument)
 
+    async def signal_before_update_is_taken(server: SyncServer, path: Path) -> None:
+        try:
+            method = pickle.loads(path.read_bytes())["method"]
+        except FileNotFoundError:  # withdrawn since the listing
+            method = None
+        if method is not None:
+            signal_now(method)
+        await answer(server, path)
+
     monkeypatch.setattr(engine, "weight_transfer", signal_during_start_of_step_2)
+    monkeypatch.setattr(SyncServer, "_answer", signal_before_update_is_taken)
 
     async def scenario() -> None:
         for task in ("t0", "t1", "t2"):

@@ -16,6 +16,7 @@ import pytest
 from ajet_hpc.trainer.sync_channel import (
     ENGINE_UP,
     FileSyncClient,
+    SyncFailed,
     SyncInterrupted,
     SyncServer,
     announce_job_ending,
@@ -115,3 +116,67 @@ def test_a_call_waiting_when_the_job_ends_is_interrupted_and_never_run(tmp_path:
     assert ran == [] and abandoned == [True]
     answer = pickle.loads((folder / "done-late-000001.pkl").read_bytes())
     assert answer["ok"] is False and answer["job_ending"] is True
+
+
+def test_rank_0_sends_only_once_the_server_took_update_weights(tmp_path: Path) -> None:
+    """The engine receives inside ``update_weights`` while rank 0 sends, in the same collectives, so rank 0
+    waits until the server took that call. A call the job's end catches before the server took it (the
+    server's loop blocked by the save) is withdrawn, and the wait says so: rank 0 never starts sending to
+    receivers that will not come. A call the server took is not withdrawn: its engine runs it, the wait
+    returns, and only the answer, which the job's end makes moot, is given up."""
+    withdrawn_folder = tmp_path / "withdrawn"
+    client = FileSyncClient(withdrawn_folder, timeout_s=60)
+    receiving = client.expect("update_weights")
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.update_weights({"names": []})
+        except SyncFailed as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while not list(withdrawn_folder.glob("call-*.pkl")):
+        time.sleep(0.01)
+    with pytest.raises(SyncFailed, match="did not take update_weights"):
+        receiving.wait_taken(0.2)  # nobody serves the folder
+    announce_job_ending(withdrawn_folder)
+    with pytest.raises(SyncInterrupted, match="update_weights"):
+        receiving.wait_taken(10)
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], SyncInterrupted)
+    assert not list(withdrawn_folder.glob("call-*.pkl")) and not list(withdrawn_folder.glob("taken-*"))
+
+    taken_folder = tmp_path / "taken"
+    client = FileSyncClient(taken_folder, timeout_s=60)
+    ran: list[str] = []
+    release = threading.Event()
+
+    async def handler(method: str, argument: object) -> None:
+        ran.append(method)
+        await asyncio.to_thread(release.wait, 30)  # the engine receives
+
+    async def serve() -> None:
+        server = asyncio.create_task(SyncServer(taken_folder, handler, poll_s=0.01).serve())
+        while not release.is_set() or list(taken_folder.glob("taken-*")):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        server.cancel()
+
+    serving = threading.Thread(target=asyncio.run, args=(serve(),))
+    serving.start()
+    receiving = client.expect("update_weights")
+    errors.clear()
+    thread = threading.Thread(target=call)
+    thread.start()
+    receiving.wait_taken(10)  # returns: rank 0 may send
+    assert ran == ["update_weights"]
+    announce_job_ending(taken_folder)  # the save begins while the engine receives
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], SyncInterrupted)
+    receiving.wait_taken(0)  # still taken, never withdrawn
+    release.set()
+    serving.join(10)
+    assert not serving.is_alive() and ran == ["update_weights"]
+    assert [p.name for p in taken_folder.glob("done-*")] and not list(taken_folder.glob("taken-*"))
