@@ -147,6 +147,11 @@ def fit_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
 
 def check_prompt(prompt_ids: list[int], vocab_size: int, max_tokens: int, max_model_len: int) -> int:
     """Validate prompt token ids; returns the max_tokens the request may use (`fit_max_tokens`)."""
+    # the common case in C (types, then the range); the list of offenders only when there are some
+    if set(map(type, prompt_ids)) <= {int} and (
+        not prompt_ids or 0 <= min(prompt_ids) <= max(prompt_ids) < vocab_size
+    ):
+        return fit_max_tokens(len(prompt_ids), max_tokens, max_model_len)
     bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise EngineError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -143,8 +144,21 @@ class ServerContext:
             self.on_finished()
 
 
-def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
-    """The FastAPI app. With ``manage_engine`` the app starts and stops the engine with itself."""
+def freeze_startup_heap() -> None:
+    """Collect, then freeze the garbage collector's heap (``gc.freeze``), as vLLM's own server does once
+    started: the objects of the loaded libraries, the engine client and the tokenizer (hundreds of
+    thousands) are no longer traversed by every full collection while requests are served. Measured on
+    the proxy benchmark's chat load: 11 % less CPU per request in the server process, 7 % more tokens/s
+    (tools/bench/README.md). Only for a process that serves until it exits: frozen objects that later
+    become cyclic garbage are never collected."""
+    gc.collect()
+    gc.freeze()
+
+
+def create_app(ctx: ServerContext, manage_engine: bool = True, freeze_heap: bool = False) -> FastAPI:
+    """The FastAPI app. With ``manage_engine`` the app starts and stops the engine with itself. With
+    ``freeze_heap`` (the server's own process: ``ajet_hpc.server.process``) what exists once the engine has
+    started is moved out of the garbage collector's sight (``freeze_startup_heap``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,6 +171,8 @@ def create_app(ctx: ServerContext, manage_engine: bool = True) -> FastAPI:
                 if ctx.coordinator is not None:
                     ctx.coordinator.close()
                 raise
+        if freeze_heap:
+            freeze_startup_heap()
         tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
         training = None
         if ctx.coordinator is not None:

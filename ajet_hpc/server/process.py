@@ -317,7 +317,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         ctx.attach_trainer(coordinator)
     server = GracefulServer(
         uvicorn.Config(
-            create_app(ctx),
+            create_app(ctx, freeze_heap=True),
             log_level="warning",
             access_log=False,
             ssl_certfile=tls.tls_certfile,

@@ -68,6 +68,9 @@ def test_prompt_must_be_in_vocabulary_and_not_empty() -> None:
         check_prompt([1, 10, -1], vocab_size=10, max_tokens=4, max_model_len=32)
     with pytest.raises(EngineError, match="empty"):
         check_prompt([], vocab_size=10, max_tokens=4, max_model_len=32)
+    for odd in (True, 2.0, "3", None):  # in range by value, but not token ids
+        with pytest.raises(EngineError, match=r"out of the vocabulary"):
+            check_prompt([1, odd, 2], vocab_size=10, max_tokens=4, max_model_len=32)  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize(

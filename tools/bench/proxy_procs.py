@@ -261,7 +261,11 @@ def serve_main(argv: list[str]) -> int:
     )
     # as ajet_hpc.server.process runs it: one worker, uvloop + httptools when installed, no access log
     config = uvicorn.Config(
-        create_app(ctx), host="127.0.0.1", port=args.port, log_level="warning", access_log=False
+        create_app(ctx, freeze_heap=True),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
     )
     server = _server_class()(config)
     if args.profile is None:
