@@ -339,3 +339,39 @@ def test_builtin_guess_agent_records_one_linear_conversation(hf_server) -> None:
     for previous, current in itertools.pairwise(timelines):
         start, end = current["reused_spans"][-1]
         assert current["prompt_ids"][start:end] == previous["response_ids"]
+
+
+_HEAP_PROBE = """
+import asyncio, gc, sys
+from ajet_hpc.config import ServingConfig
+from ajet_hpc.engine.select import create_engine
+from ajet_hpc.server.app import ServerContext, create_app
+
+engine = create_engine("transformers", sys.argv[1], max_model_len=256)
+ctx = ServerContext(name="policy", engine=engine, settings=ServingConfig(), secret="5e" * 32)
+app = create_app(ctx, manage_engine=False, freeze_heap=sys.argv[2] == "freeze")
+
+async def main():
+    before = gc.get_freeze_count()
+    async with app.router.lifespan_context(app):
+        print(before, gc.get_freeze_count())
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["server-process", "in-process-app"])
+def test_the_server_process_freezes_its_startup_heap(tiny_model: Path, freeze: bool) -> None:
+    """The server's own process (``ajet_hpc.server.process`` passes ``freeze_heap``) moves the startup heap
+    (libraries, engine, tokenizer) out of the garbage collector's sight once started, as ``vllm serve``
+    does; an app made in another process (tests, embedding) leaves that process's collector alone. Run in a
+    subprocess: a freeze would outlive the test."""
+    import subprocess
+    import sys
+
+    probe = [sys.executable, "-c", _HEAP_PROBE, str(tiny_model), "freeze" if freeze else "keep"]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split()[-2:])
+    assert before == 0
+    assert after > 10_000 if freeze else after == 0  # torch and transformers alone are ~10^5 objects
