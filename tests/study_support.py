@@ -1,9 +1,10 @@
-"""What the study tests share (local and dev cluster): the penalized agent, a grid order, and readers of a
-study's events, Optuna journal and trial steps."""
+"""What the study tests share (local and dev cluster): the penalized agent, a grid order, readers of a
+study's events, Optuna journal and trial steps, and the choice of the trial whose server a test kills."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,27 @@ def run_steps(run: Path) -> int:
     if not path.exists():
         return 0
     return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()), default=0)
+
+
+def good_trials_to_hold(study_dir: Path, held: Container[int], steps: int) -> list[int]:
+    """Good trials not held yet whose run is at step 2 (the rung) to ``steps - 3``. A test suspends their
+    clients: with no new episode and max_staleness 1 a trainer stops within two steps, short of the last,
+    so the trial waits for the supervisor's decision at the rung however late that comes (a supervisor
+    restarting, a loaded machine) and still has a step to train after a kill."""
+    good = [
+        e["trial"]
+        for e in study_events(study_dir)
+        if e["event"] == "started" and e["params"]["clients.math.agent"] == GOOD and e["trial"] not in held
+    ]
+    return [n for n in good if 2 <= run_steps(study_dir / "trials" / f"{n:04d}") <= steps - 3]
+
+
+def promoted_held_trial(study_dir: Path, held: Container[int]) -> int | None:
+    """A held trial that successive halving kept past its rung (the supervisor's ``promoted`` event)."""
+    events = study_events(study_dir)
+    for event in events:
+        if event["event"] == "promoted" and event["trial"] in held and event["rung"] == 0:
+            return int(event["trial"])
+    finished = any(e["event"] == "study_finished" for e in events)
+    assert not finished, f"the study ended with no good trial held at its rung: {events}"
+    return None

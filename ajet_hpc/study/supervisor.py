@@ -5,7 +5,8 @@ What a pass decides, per running trial (a trial is one run directory, ``STUDY/tr
 
 - not launched yet (a supervisor stopped between Optuna's ``ask`` and the launch): launch it;
 - new steps in its ``metrics.jsonl``: report the windowed metric to Optuna at each step, and if the pruner
-  says so, cancel the run's jobs (``launch/control.cancel_run``) and mark the trial pruned;
+  says so, cancel the run's jobs (``launch/control.cancel_run``) and mark the trial pruned; a trial that
+  successive halving keeps past a rung gets a ``promoted`` event;
 - a trained server ``failed`` (its rendezvous): cancel what is left, mark the trial failed with its reason;
 - every trained server ``finished``: the trial is complete, its value the metric at the last step;
 - a server job (or every job) gone without the run finishing: relaunch (resume) the run, up to
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LEASE_TIMING = LeaseTiming(heartbeat_s=10.0, timeout_s=60.0)
 LAUNCH_TIMEOUT_S = 900.0
+RUNG_ATTR = "completed_rung_"  # Optuna's SuccessiveHalvingPruner: the trial's value at rung k
 
 
 class SupervisorRunning(RuntimeError):
@@ -119,6 +121,7 @@ class Supervisor:
                 self.study.tell(number, state=optuna_state("PRUNED"))
                 self.study_dir.event("pruned", number, step=fresh[-1], value=values[fresh[-1]], cancel=lines)
                 return False
+            self.note_promotions(frozen, fresh[-1])
         now = self.now()
         last_step = rows[-1]["step"] if rows else 0
         if last_step > book.get("last_step", 0) or "progress_at" not in book:
@@ -165,6 +168,17 @@ class Supervisor:
             book["progress_at"] = now  # the next pass sees its jobs gone and relaunches
             self.study_dir.write_book(number, book)
         return True
+
+    def note_promotions(self, frozen: optuna.trial.FrozenTrial, step: int) -> None:
+        """A ``promoted`` event for each successive-halving rung the trial passed at this report: the pruner
+        writes the trial's value at a rung into its ``completed_rung_<k>`` system attribute, then keeps it."""
+        if self.spec.pruner.kind != "successive_halving":
+            return
+        now = self.study._storage.get_trial(frozen._trial_id).system_attrs
+        for key in sorted(set(now) - set(frozen.system_attrs)):
+            if key.startswith(RUNG_ATTR):
+                rung = int(key.removeprefix(RUNG_ATTR))
+                self.study_dir.event("promoted", frozen.number, rung=rung, step=step, value=now[key])
 
     def gone_jobs(self, run: RunDir, servers: set[str]) -> str | None:
         """Why the run needs a relaunch (a server job, or every job, no longer active), or None."""

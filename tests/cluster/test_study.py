@@ -1,7 +1,9 @@
 """The study acceptance on the Slurm dev cluster: a 4-trial study (agent × 2 seeds), 2 at a time,
 successive halving, its supervisor a CPU Slurm job (--slurm). One trial's server is scancelled past its rung
-(relaunched, completes); the supervisor job is scancelled once and the study command resumes it without
-starting any trial twice; a trial of the bad agent is pruned and its jobs are gone. Then the report."""
+(relaunched, completes); the good trials' clients are held (suspended) at the rung until the supervisor has
+promoted one, so that trials that train fast cannot run past that moment. The supervisor job is scancelled
+once and the study command resumes it without starting any trial twice; a trial of the bad agent is pruned
+and its jobs are gone. Then the report."""
 
 from __future__ import annotations
 
@@ -13,11 +15,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from study_support import BAD, GOOD, good_first_seed, run_steps, study_events, study_journal
+from study_support import (
+    BAD,
+    GOOD,
+    good_first_seed,
+    good_trials_to_hold,
+    promoted_held_trial,
+    run_steps,
+    study_events,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 7  # below the second rung (8): the victim completes, never pruned at its last step
 SEEDS = [1, 2]
 
 
@@ -53,16 +63,31 @@ def _study_file(tmp_path: Path) -> Path:
     return path
 
 
+def _study_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def _study_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-m", "ajet_hpc.study", *args],
         cwd=REPO,
-        env=env,
+        env=_study_env(),
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+    )
+
+
+def _study_popen(*args: str) -> subprocess.Popen[str]:
+    """The study command in the background (the test goes on holding trials while it runs)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ajet_hpc.study", *args],
+        cwd=REPO,
+        env=_study_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -78,6 +103,14 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
     from ajet_hpc.study.search import load_study
 
     study_dir = tmp_path / "study"
+    held: dict[int, str] = {}  # good trial -> its client job, suspended at the rung
+
+    def hold_good_trials() -> None:
+        for number in good_trials_to_hold(study_dir, held, STEPS):
+            run = RunDir(study_dir / "trials" / f"{number:04d}")
+            held[number] = registry.latest(run)["clients-math"].job_id
+            subprocess.run(["scontrol", "suspend", held[number]], check=True, capture_output=True)
+
     done = _study_cmd(str(_study_file(tmp_path)), "--slurm")
     assert done.returncode == 0 and "Slurm job" in done.stdout, done.stdout + done.stderr
     try:
@@ -87,32 +120,30 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
         )
         first_job = read_json(study_dir / "supervisor.json")["job_id"]
         slurmcli.cancel([first_job])
-        wait_until(
-            lambda: not any(s.state in slurmcli.ACTIVE_STATES for s in slurmcli.job_states([first_job])),
-            120,
-            "the supervisor job to end",
-        )
-        again = _study_cmd(str(study_dir), "--slurm")
-        assert again.returncode == 0, again.stdout + again.stderr
+
+        def first_supervisor_gone() -> bool:
+            hold_good_trials()
+            return not any(s.state in slurmcli.ACTIVE_STATES for s in slurmcli.job_states([first_job]))
+
+        wait_until(first_supervisor_gone, 120, "the supervisor job to end")
+        again = _study_popen(str(study_dir), "--slurm")
+        wait_until(lambda: hold_good_trials() or again.poll() is not None, 300, "the study command")
+        out, err = again.communicate()
+        assert again.returncode == 0, out + err
         assert read_json(study_dir / "supervisor.json")["job_id"] != first_job
 
-        # a good trial past its rung: its server job is scancelled; the supervisor relaunches it
-        def good_past_rung() -> int | None:
-            """A good trial still running that successive halving promoted past its rung (step 2), with
-            steps left to train after a kill."""
-            for trial in study_journal(study_dir, "cluster").get_trials(deepcopy=False):
-                if (
-                    trial.state.name == "RUNNING"
-                    and trial.params.get("clients.math.agent") == GOOD
-                    and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
-                    and run_steps(study_dir / "trials" / f"{trial.number:04d}") <= STEPS - 2
-                ):
-                    return trial.number
-            return None
+        # a good trial that successive halving kept past its rung: its server job is scancelled while its
+        # clients are held; the supervisor relaunches it
+        def promoted_good_trial() -> int | None:
+            hold_good_trials()
+            return promoted_held_trial(study_dir, held)
 
-        victim = wait_until(good_past_rung, 900, "a good trial at step 3-4")
+        victim = wait_until(promoted_good_trial, 900, "a good trial held at its rung and promoted")
         run = RunDir(study_dir / "trials" / f"{victim:04d}")
+        assert run_steps(run.root) < STEPS
         slurmcli.cancel([registry.latest(run)["server-policy"].job_id])
+        for clients in held.values():  # a pruned one's are cancelled already
+            subprocess.run(["scontrol", "resume", clients], check=False, capture_output=True)
 
         wait_until(
             lambda: any(e["event"] == "study_finished" for e in study_events(study_dir)),
@@ -120,6 +151,8 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
             "the study to end",
         )
     finally:
+        for clients in held.values():
+            subprocess.run(["scontrol", "resume", clients], check=False, capture_output=True)
         ids = [(read_json(study_dir / "supervisor.json") or {}).get("job_id")]
         for run_dir in (study_dir / "trials").glob("[0-9][0-9][0-9][0-9]"):
             ids += [job.job_id for job in registry.load(RunDir(run_dir))]

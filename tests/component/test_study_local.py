@@ -1,10 +1,12 @@
-"""A tiny real study on the local backend: 4 trials (agent × 2 seeds) of 6 steps, 2 at a time, successive
+"""A tiny real study on the local backend: 4 trials (agent × 2 seeds) of 7 steps, 2 at a time, successive
 halving. During it the supervisor is killed and started again (no trial starts twice), one trial's server
-is killed after its rung (the supervisor relaunches it and it completes), and a trial of the bad agent is
-pruned (its processes gone). The report is written from the result."""
+is killed after its rung (the supervisor relaunches it and it completes; the good trials' clients are held
+at the rung until the supervisor has promoted one), and a trial of the bad agent is pruned (its processes
+gone). The report is written from the result."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,12 +15,22 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
-from study_support import BAD, GOOD, good_first_seed, run_steps, study_events, study_journal
+from study_support import (
+    BAD,
+    GOOD,
+    good_first_seed,
+    good_trials_to_hold,
+    promoted_held_trial,
+    run_steps,
+    study_events,
+)
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+STEPS = 7  # below the second rung (8): the victim completes, never pruned at its last step
 
 
 def _study_file(tmp_path: Path) -> Path:
@@ -29,7 +41,7 @@ def _study_file(tmp_path: Path) -> Path:
         "overrides": [
             "servers.policy.engine=transformers",
             "servers.policy.trainer.ranks=1",
-            "servers.policy.trainer.total_steps=6",
+            f"servers.policy.trainer.total_steps={STEPS}",
             "servers.policy.trainer.tasks_per_batch=4",
             "servers.policy.trainer.repeats=4",
             "servers.policy.trainer.save_every=1",
@@ -74,6 +86,17 @@ def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None 
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _release(held: dict[int, list[psutil.Process]]) -> None:
+    for process in (p for family in held.values() for p in family):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.resume()
+
+
 def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
     from ajet_hpc.launch import registry
     from ajet_hpc.launch.control import task_states
@@ -99,27 +122,27 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
         first.wait(10)
         second = _supervisor(study_dir, log)
 
-        # 2. a trial of the good agent past its rung (step >= 3, still running): its server is killed
-        def good_past_rung() -> int | None:
-            """A good trial still running that successive halving promoted past its rung (step 2), with
-            steps left to train after a kill."""
-            for trial in study_journal(study_dir, "local").get_trials(deepcopy=False):
-                if (
-                    trial.state.name == "RUNNING"
-                    and trial.params.get("clients.math.agent") == GOOD
-                    and "completed_rung_0" in trial.system_attrs  # promoted past the rung at step 2
-                    and run_steps(study_dir / "trials" / f"{trial.number:04d}") <= 4
-                ):
-                    return trial.number
-            return None
+        # 2. a trial of the good agent that successive halving kept past its rung: its server is killed while
+        # its clients are held (stopped) at the rung
+        def promoted_good_trial() -> int | None:
+            for number in good_trials_to_hold(study_dir, held, STEPS):
+                run = RunDir(study_dir / "trials" / f"{number:04d}")
+                held[number] = _tree(int(registry.latest(run)["clients-math"].job_id))
+                for process in held[number]:
+                    process.suspend()
+            return promoted_held_trial(study_dir, held)
 
-        victim = _wait(good_past_rung, 150, "a good trial at step 3-4", second)
+        held: dict[int, list[psutil.Process]] = {}
+        victim = _wait(promoted_good_trial, 300, "a good trial held at its rung and promoted", second)
         run = RunDir(study_dir / "trials" / f"{victim:04d}")
+        assert run_steps(run.root) < STEPS
         server = registry.latest(run)["server-policy"]
         kill_tree(int(server.job_id))
+        _release(held)  # a pruned one's controller then takes the supervisor's SIGTERM
 
         assert second.wait(240) == 0, log.read_text()[-3000:]
     finally:
+        _release(locals().get("held") or {})
         for proc in (first, locals().get("second")):
             if proc is not None and proc.poll() is None:
                 proc.kill()
@@ -141,7 +164,7 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
     spec, sdir = open_study_dir(study_dir)
     trials = {t.number: t for t in load_study(spec, sdir).get_trials()}
     assert len(trials) == 4
-    assert trials[victim].state.name == "COMPLETE" and run_steps(run.root) == 6
+    assert trials[victim].state.name == "COMPLETE" and run_steps(run.root) == STEPS
     submissions = [j for j in registry.load(run) if j.name == "server-policy"]
     assert len(submissions) == 2  # the first server, and the relaunch
 
@@ -155,7 +178,7 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
             return not any(s.active for job in registry.latest(r).values() for s in task_states(job))
 
         _wait(gone, 60, f"the processes of pruned trial {n} to stop")
-        assert run_steps(pruned_run.root) < 6
+        assert run_steps(pruned_run.root) < STEPS
     for n, t in trials.items():
         if n not in pruned:
             assert t.state.name == "COMPLETE", (n, t.state, events)

@@ -22,7 +22,7 @@ from ajet_hpc.study.cli import open_study_dir
 from ajet_hpc.study.supervisor import Supervisor
 
 
-def _study(tmp_path: Path, seeds: list[int]) -> Supervisor:
+def _study(tmp_path: Path, seeds: list[int], **fields: object) -> Supervisor:
     data = {
         "name": "decisions",
         "base": str(REPO / "configs" / "quickstart.yaml"),
@@ -32,13 +32,16 @@ def _study(tmp_path: Path, seeds: list[int]) -> Supervisor:
         "max_concurrent": len(seeds),
         "max_relaunches": 0,
         "stall_after": 5,
+        **fields,
     }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
     spec, study_dir = open_study_dir(tmp_path / "s.yaml")
     return Supervisor(spec, study_dir)
 
 
-def _fake_launched_trial(sup: Supervisor, steps: int) -> tuple[int, RunDir, subprocess.Popen]:
+def _fake_launched_trial(
+    sup: Supervisor, steps: int, reward_per_step: float = 0.1
+) -> tuple[int, RunDir, subprocess.Popen]:
     """Ask a trial and give it a run directory whose server job is a real (sleeping) local process."""
     trial = sup.study.ask()
     params = search.suggest(sup.spec, sup.study, trial)
@@ -49,7 +52,7 @@ def _fake_launched_trial(sup: Supervisor, steps: int) -> tuple[int, RunDir, subp
     process = subprocess.Popen(["sleep", "600"])
     job = SubmittedJob("server-policy", "local", str(process.pid), [str(process.pid)], "logs/x", ["policy"])
     registry.record(run, [job])
-    rows = [{"step": s, "model": "policy", "reward_mean": 0.1 * s} for s in range(1, steps + 1)]
+    rows = [{"step": s, "model": "policy", "reward_mean": reward_per_step * s} for s in range(1, steps + 1)]
     (run.root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return trial.number, run, process
 
@@ -79,6 +82,26 @@ def test_stalled_run_is_cancelled_then_failed_when_relaunches_are_spent(tmp_path
         and "max_relaunches" in failed[0]["reason"]
     )
     assert "max_relaunches" in sup.study_dir.book(number)["reason"]
+
+
+def test_successive_halving_promotes_the_first_at_its_rung_and_prunes_a_worse_one(tmp_path: Path) -> None:
+    pruner = {"kind": "successive_halving", "min_resource": 2, "reduction_factor": 4}
+    sup = _study(tmp_path, seeds=[1, 2], pruner=pruner)
+    good, _, good_process = _fake_launched_trial(sup, steps=3)
+    bad, _, bad_process = _fake_launched_trial(sup, steps=3, reward_per_step=-0.1)
+    try:
+        assert sup.pass_once() is True  # the good one goes on; the bad one is pruned
+        assert bad_process.wait(10) == -15 and good_process.poll() is None
+        events = [e for e in sup.study_dir.events() if e["event"] in ("promoted", "pruned")]
+        assert [(e["event"], e["trial"]) for e in events] == [("promoted", good), ("pruned", bad)]
+        assert events[0]["rung"] == 0 and events[0]["step"] == 3
+        assert events[0]["value"] == sup.study.trials[good].intermediate_values[3]
+        assert sup.pass_once() is True  # nothing new: no second event
+        assert len([e for e in sup.study_dir.events() if e["event"] == "promoted"]) == 1
+    finally:
+        good_process.kill()
+        bad_process.kill()
+    assert sup.study.trials[bad].state.name == "PRUNED"
 
 
 def test_failed_server_fails_the_trial_with_its_reason(tmp_path: Path) -> None:
