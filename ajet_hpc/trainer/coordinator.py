@@ -44,6 +44,7 @@ from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.launch import start_ranks
 from ajet_hpc.trainer.protocol import (
+    RESUME_LIMIT_VAR,
     MemoryWeights,
     StepResult,
     TrainerChannel,
@@ -294,12 +295,20 @@ class Coordinator:
             )
         return channel
 
+    def _last_recorded(self) -> int:
+        """The last step recorded: since ranks first started in this process, else in metrics.jsonl (by an
+        earlier job). The ranks go back from a checkpoint past it (`protocol.resume_point`)."""
+        if self.channel is not None:
+            return self._recorded_step
+        return metrics.last_step(self.metrics_path, self.server.name)
+
     @property
     def _ranks_log(self) -> Path:
         return self.work_dir / "ranks.log"
 
     def _launch_ranks(self) -> subprocess.Popen:
         env = dict(os.environ if self.rank_env is None else self.rank_env)
+        env[RESUME_LIMIT_VAR] = str(self._last_recorded())
         if self.sync_backend is not None:
             env[weight_sync.BACKEND_VAR] = self.sync_backend
             env[weight_sync.WORKERS_VAR] = str(self.placement.tensor_parallel)

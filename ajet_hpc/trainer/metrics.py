@@ -45,6 +45,11 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [row for row in _read_all(path) if EVENT not in row]
 
 
+def last_step(path: Path, model: str) -> int:
+    """The last step of ``model``'s rows (0 when it has none, or there is no file)."""
+    return max((row["step"] for row in read_rows(path) if row.get("model") == model), default=0)
+
+
 def read_events(path: Path, model: str | None = None) -> list[dict[str, Any]]:
     """The event rows of a metrics file (of ``model`` only, unless None), in the order written."""
     return [row for row in _read_all(path) if EVENT in row and model in (None, row.get("model"))]

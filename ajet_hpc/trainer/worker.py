@@ -25,6 +25,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -115,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     return Rank(env, args.work_dir, args.model, config).run()
 
 
+def _recorded_step(environ: Mapping[str, str]) -> int | None:
+    """The last step the coordinator recorded (``AJET_RESUME_AT_MOST``), None when not given."""
+    value = environ.get(protocol.RESUME_LIMIT_VAR, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise RuntimeError(f"{protocol.RESUME_LIMIT_VAR}={value!r} is not a step number") from exc
+
+
 def _exit_if_asked(stop_file: Path) -> None:
     if stop_file.exists():
         raise SystemExit(128 + signal.SIGTERM)
@@ -142,7 +154,12 @@ class Rank:
             self.models = zero.build(self.model_dir, self.config, on_gpu, self.env.device_index)
             self.pad_id = _pad_id(self.models.engine.module.config)
             self.step = zero.resume(
-                self.models, self.work, self.env.rank, self.env.world_size, self.config.zero_stage
+                self.models,
+                self.work,
+                self.env.rank,
+                self.env.world_size,
+                self.config.zero_stage,
+                recorded=_recorded_step(os.environ),
             )
             if self.env.rank == 0:
                 for path in protocol.discard_after(self.work, self.step):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import random
 import shutil
 import time
@@ -205,13 +206,47 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     if rank == 0:
         files = [_rng_file(r) for r in range(world_size)]
         state = TrainerState(step=step, tag=tag, world_size=world_size, zero_stage=stage, rng_files=files)
-        protocol.commit_checkpoint(work, state)
+        protocol.commit_checkpoint(
+            work, protocol.next_trainer_state(protocol.read_trainer_state(work), state)
+        )
+        _test_exit_after_commit(work, step)
     dist.barrier()
 
 
-def resume(models: Models, work: WorkDir, rank: int, world_size: int, stage: int) -> int:
-    """Load the checkpoint ``trainer_state.json`` names, if any; the step it was taken after (0: fresh)."""
-    state = protocol.read_trainer_state(work)
+TEST_EXIT_AFTER_COMMIT = "AJET_TEST_EXIT_AFTER_COMMIT"
+"""Test hook (tests only): ``N``: rank 0 exits like a kill -9 right after naming step N's checkpoint trusted,
+before the step's result is written, once per work dir (a real kill cannot be timed there)."""
+
+
+def _test_exit_after_commit(work: WorkDir, step: int) -> None:
+    if os.environ.get(TEST_EXIT_AFTER_COMMIT) != str(step):
+        return
+    marker = work.root / f".test-exit-after-commit-{step}"
+    if not marker.exists():
+        marker.touch()
+        log.warning("test hook %s: exiting after the commit of step %d", TEST_EXIT_AFTER_COMMIT, step)
+        logging.shutdown()
+        os._exit(137)
+
+
+def resume(
+    models: Models, work: WorkDir, rank: int, world_size: int, stage: int, recorded: int | None = None
+) -> int:
+    """Load the checkpoint ``trainer_state.json`` names, if any; the step it was taken after (0: fresh).
+    ``recorded``: the last step the coordinator recorded; a checkpoint past it is gone back from
+    (`protocol.resume_point`), and rank 0 names the one resumed from the trusted one. All ranks call it."""
+    import torch.distributed as dist
+
+    trusted = protocol.read_trainer_state(work)
+    if trusted is None:
+        return 0
+    state, why = protocol.resume_point(trusted, recorded)
+    if why is not None and rank == 0:
+        log.warning("%s", why)
+    if state is not trusted:
+        dist.barrier()  # every rank has read the trusted state
+        if rank == 0:
+            protocol.uncommit_checkpoint(work, state)
     if state is None:
         return 0
     if (state.world_size, state.zero_stage) != (world_size, stage):

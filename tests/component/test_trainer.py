@@ -29,6 +29,7 @@ from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
 from ajet_hpc.trainer.protocol import (
+    RESUME_LIMIT_VAR,
     StepResult,
     TrainerChannel,
     TrainerFailed,
@@ -236,8 +237,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 class Ranks:
     """Started ranks with their channel; ``stop()`` waits for a clean exit, ``kill()`` terminates."""
 
-    def __init__(self, work_dir: Path, model_dir: Path, config: TrainerConfig) -> None:
+    def __init__(
+        self, work_dir: Path, model_dir: Path, config: TrainerConfig, recorded: int | None = None
+    ) -> None:
+        """``recorded``: the last step the coordinator recorded, as it tells the ranks it starts."""
         self.log = work_dir / "ranks.log"
+        env = None if recorded is None else {**os.environ, RESUME_LIMIT_VAR: str(recorded)}
         self.proc = start_ranks(
             work_dir,
             model_dir,
@@ -245,6 +250,7 @@ class Ranks:
             on_slurm=False,
             placement=cpu_placement(config.ranks),
             log_path=self.log,
+            env=env,
         )
         self.channel = TrainerChannel(work_dir, alive=lambda: self.proc.poll() is None, log_path=self.log)
         self.ready = run(self.channel.wait_ready(timeout_s=START_TIMEOUT_S))
@@ -348,6 +354,26 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     finally:
         second.kill()
     assert sorted(p.name for p in work.weights.iterdir()) == ["step-000001", "step-000002"]
+
+    # A rank died after the checkpoint of step 2 was committed and before its result reached the
+    # coordinator, which recorded step 1 last: the ranks go back to step 1's checkpoint, so that step 2's
+    # batch, sent again as step 2, is trained once.
+    assert read_trainer_state(work).previous.step == 1
+    third = Ranks(tmp_path, tiny_model, config, recorded=1)
+    try:
+        assert third.ready["step"] == 1
+        assert max_diff(weights_of(Path(third.ready["weights_dir"])), after_step1) == 0.0
+        state = read_trainer_state(work)
+        assert (state.step, state.tag) == (1, "step-000001")  # named trusted again
+        assert not (work.ds / "step-000002").exists()  # removed as left by a run past step 1
+        again = third.step(2, batches[1], save_checkpoint=True)
+        assert max_diff(weights_of(again.weights.folder), after_step2) < 1e-6
+        state = read_trainer_state(work)
+        assert state.step == 2 and state.previous.step == 1
+        assert third.stop() == 0
+    finally:
+        third.kill()
+    assert "checkpoint step-000002 is past step 1, the last the server recorded" in third.log.read_text()
 
 
 @pytest.mark.slow

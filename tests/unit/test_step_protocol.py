@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,79 @@ def test_look_decides_as_the_former_look(tmp_path: Path, monkeypatch: pytest.Mon
             seen.add(found.name)
         assert files(new.root) == files(old.root), case
     assert seen == {"batch", "WAIT", "STOP", "SAVE"}
+
+
+# ---- checkpoints: the trusted one and the one before ---------------------------------------------------
+
+
+def checkpoint(step: int) -> TrainerState:
+    return TrainerState(step, protocol.step_name(step), 2, 2, ["rng-rank00000.pt", "rng-rank00001.pt"])
+
+
+def commit(work: WorkDir, step: int) -> TrainerState:
+    """What rank 0 does once every rank has written step ``step``'s checkpoint."""
+    (work.ds / protocol.step_name(step)).mkdir(parents=True, exist_ok=True)
+    state = protocol.next_trainer_state(protocol.read_trainer_state(work), checkpoint(step))
+    protocol.commit_checkpoint(work, state)
+    return state
+
+
+def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
+    work = WorkDir(tmp_path)
+    first = commit(work, 5)
+    assert first.first and first.previous is None
+    second = commit(work, 10)
+    assert (second.previous.step, second.previous.first, second.first) == (5, True, False)
+    assert protocol.read_trainer_state(work) == second  # the previous one read back typed
+    third = commit(work, 15)
+    assert third.previous == dataclasses.replace(checkpoint(10), previous=None)
+    assert sorted(p.name for p in work.ds.iterdir() if p.is_dir()) == ["step-000010", "step-000015"]
+    # saved again after going back (a step trained again): the one before stays the one before
+    protocol.uncommit_checkpoint(work, third.previous)
+    shutil.rmtree(work.ds / "step-000015")
+    again = commit(work, 15)
+    assert again.previous.step == 10 and again.step == 15
+    # a state written before `previous` existed reads as one that does not know what came before
+    write_json_atomic(
+        work.trainer_state,
+        {k: v for k, v in dataclasses.asdict(checkpoint(7)).items() if k not in ("previous", "first")},
+    )
+    old = protocol.read_trainer_state(work)
+    assert old == checkpoint(7) and not old.first
+
+
+@pytest.mark.parametrize(
+    ("state", "recorded", "resumed", "why"),
+    [
+        (checkpoint(4), None, 4, None),  # nothing known: the trusted one
+        (checkpoint(4), 4, 4, None),
+        (checkpoint(4), 6, 4, None),  # steps recorded after the checkpoint: they run again, as always
+        (dataclasses.replace(checkpoint(5), previous=checkpoint(4)), 4, 4, "resuming from step-000004"),
+        (dataclasses.replace(checkpoint(10), previous=checkpoint(5)), 7, 5, "resuming from step-000005"),
+        (dataclasses.replace(checkpoint(1), first=True), 0, None, "starting afresh"),
+        (
+            dataclasses.replace(checkpoint(9), previous=checkpoint(8)),
+            2,
+            9,
+            "resuming from step-000009 anyway",
+        ),
+        (checkpoint(9), 2, 9, "anyway"),  # written before `previous` existed: cannot go back
+    ],
+)
+def test_the_ranks_go_back_from_a_checkpoint_past_the_record(
+    state: TrainerState, recorded: int | None, resumed: int | None, why: str | None
+) -> None:
+    chosen, reason = protocol.resume_point(state, recorded)
+    assert (None if chosen is None else chosen.step) == resumed
+    if why is None:
+        assert reason is None and chosen is state
+    else:
+        assert why in reason and f"past step {recorded}, the last the server recorded" in reason
+
+
+def test_the_recorded_step_reaches_the_ranks_as_a_number() -> None:
+    from ajet_hpc.trainer.worker import _recorded_step
+
+    assert _recorded_step({}) is None and _recorded_step({protocol.RESUME_LIMIT_VAR: "12"}) == 12
+    with pytest.raises(RuntimeError, match="AJET_RESUME_AT_MOST='x' is not a step number"):
+        _recorded_step({protocol.RESUME_LIMIT_VAR: "x"})

@@ -44,8 +44,13 @@ def test_event_rows_are_kept_apart_from_step_rows_and_survive_a_resume(tmp_path:
     assert [row["step"] for row in metrics.read_rows(path)] == [1, 2, 3]
     (event,) = metrics.read_events(path, "policy")
     assert (event["event"], event["reason"], event["at_step"]) == ("trainer_restart", "rank 1 died", 4)
+    metrics.append_row(path, {"step": 9, "model": "other"})
+    assert metrics.last_step(path, "policy") == 3 and metrics.last_step(path, "third") == 0
     assert metrics.truncate_after(path, "policy", 2) == 1  # step 3 runs again; the event stays
-    assert [row["step"] for row in metrics.read_rows(path)] == [1, 2]
+    assert [row["step"] for row in metrics.read_rows(path) if row["model"] == "policy"] == [1, 2]
+    assert (
+        metrics.last_step(path, "policy") == 2 and metrics.last_step(tmp_path / "none.jsonl", "policy") == 0
+    )
     assert len(metrics.read_events(path)) == 1 and metrics.read_events(path, "other") == []
     with pytest.raises(ValueError, match="at_step"):
         metrics.append_event(path, "policy", "x", "y", step=3)
