@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from ajet_hpc.algo.samples import binary_runs
 from ajet_hpc.storage.h5_layout import ROWS
 from ajet_hpc.tracking.episode import EpisodeState
 
@@ -169,6 +170,22 @@ def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
     return np.concatenate([np.asarray(p, dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 
+def _loss_mask(timelines: list[Any], lengths: list[int]) -> np.ndarray:
+    """The timelines' loss masks as one int8 array. A mask of 0s and 1s is written from its runs of 1s
+    (``binary_runs``: a call's mask, 0s then its answer's 1s, is found by one C count and one comparison)
+    instead of converting every entry (a quarter of an episode's encoding); any other mask is converted
+    entry by entry, as before. The values are numpy's either way (an entry equal to 1, such as ``True``
+    or ``1.0``, is 1 in numpy's int8 too)."""
+    out = np.zeros(sum(lengths), np.int8)
+    for start, t in zip(itertools.accumulate(lengths, initial=0), timelines, strict=False):
+        runs = binary_runs(t.loss_mask) if type(t.loss_mask) is list else None
+        if runs is None:
+            return _cat([t.loss_mask for t in timelines], np.int8)
+        for a, b in runs:
+            out[start + a : start + b] = 1
+    return out
+
+
 def _timeline_json(timelines: list[Any]) -> list[bytes]:
     """The JSON record of each timeline: its messages, tools, finish reason, drift and reused spans."""
     return [
@@ -255,7 +272,7 @@ def encode_episode(record: EpisodeRecord) -> Append:
         columns={
             "tokens": _cat([x for t in timelines for x in (t.prompt_ids, t.response_ids)], np.int32),
             "logprobs": logprobs,
-            "loss_mask": _cat([t.loss_mask for t in timelines], np.int8),
+            "loss_mask": _loss_mask(timelines, lengths),
             "authors": _cat([t.token_authors for t in timelines], np.int8),
             "episode_json": np.frombuffer(episode_json, np.uint8),
             "timeline_json": np.frombuffer(joined, np.uint8),

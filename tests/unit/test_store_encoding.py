@@ -202,7 +202,9 @@ def random_record(rng: random.Random, index: int) -> EpisodeRecord:
                 response_ids=response,
                 response_logprobs=[-rng.random() for _ in response],
                 token_authors=[rng.randrange(0, 4) for _ in range(n)],
-                loss_mask=[0] * len(prompt) + [1] * len(response),
+                loss_mask=[0] * len(prompt) + [1] * len(response)
+                if rng.random() < 0.8
+                else [rng.choice([0, 1, 1.0, True, False]) for _ in range(n)],  # several runs, any spelling
                 messages=messages if rng.random() < 0.8 else copy.deepcopy(messages),
                 tools=tools,
                 policy_version=rng.randrange(5),
@@ -264,8 +266,8 @@ def test_encoder_matches_reference_on_random_episodes() -> None:
 
 @pytest.mark.parametrize(
     "odd",
-    [[1.5], [2**31], [-1], [300], ["x"], [object()]],
-    ids=["float", "int32 overflow", "negative", "over int8", "str", "object"],
+    [[1.5], [2**31], [-1], [300], ["x"], [object()], [2], [True], [1.0]],
+    ids=["float", "int32 overflow", "negative", "over int8", "str", "object", "two", "bool", "one as float"],
 )
 def test_encoder_fails_or_converts_as_reference(odd: list[Any]) -> None:
     """Token ids, masks and authors the fast conversion cannot take go through numpy, as before: the same
