@@ -603,6 +603,11 @@ class SealedColumn:
             )
             self._clean = self.fill
 
+    @property
+    def fast_deflate(self) -> bool:
+        """Whether this column's chunks deflate through ISA-L (:func:`isal_deflates`)."""
+        return isal_deflates(self._level)
+
     def compress(self, data: np.ndarray) -> bytes:
         """``data`` through the column's filters: shuffled (multi-byte types), then deflated
         (:func:`deflate`): what HDF5's shuffle + deflate filters read back. The shuffle is a transposed
@@ -619,9 +624,14 @@ def deflate(raw: bytes | memoryview, level: int) -> bytes:
     Levels 1-3 go through ISA-L's igzip when the ``isal`` package is there: the same format (any zlib
     inflates it, HDF5 included), about 6x less CPU than zlib at level 1 on the benchmark's chunks and a
     smaller result (docs/storage.md, "Compression choice"); other levels, or without ``isal``, zlib."""
-    if _isal_zlib is not None and 1 <= level <= 3:
+    if isal_deflates(level):
         return _isal_zlib.compress(raw, level)
     return zlib.compress(raw, level)
+
+
+def isal_deflates(level: int) -> bool:
+    """Whether :func:`deflate` at ``level`` goes through ISA-L (the fast path), not zlib."""
+    return _isal_zlib is not None and 1 <= level <= 3
 
 
 def _filters(dataset: h5py.Dataset) -> tuple[bool, int]:
