@@ -255,9 +255,9 @@ class EpisodeWriter:
         failure none of them is (all or nothing). Each record is encoded before the file is touched: one
         that cannot be stored raises :class:`UnstorableRecord` (its ``index``) and nothing is written.
 
-        The chunks the group fills are compressed on the writer's threads while the records after them are
-        still being encoded (zlib releases the GIL): encoding and compression, most of a group's CPU time,
-        overlap."""
+        The chunks the group fills are compressed at write time on this thread when they deflate through
+        ISA-L; through zlib, on the writer's threads while the records after them are still being encoded
+        (``_compressor``)."""
         if not records:
             return
         what = _describe(records[0])
@@ -302,9 +302,9 @@ class EpisodeWriter:
 
     def _stage(self, records: Sequence[EpisodeRecord | StepRecord]) -> tuple[Append, list[_Chunk]]:
         """Encode ``records`` one by one into the columns' open chunks; each chunk filled on the way is
-        handed to the compression threads at once. Returns the group's rows and offsets (its column values
-        are in the chunks) and the filled chunks (``_Chunk``). A record that cannot be stored undoes the
-        staging (nothing of the group stays) and raises."""
+        handed to the compression threads at once, if there are any (``_compressor``). Returns the group's
+        rows and offsets (its column values are in the chunks) and the filled chunks (``_Chunk``). A record
+        that cannot be stored undoes the staging (nothing of the group stays) and raises."""
         saved = {name: column.save() for name, column in self._columns.items()}
         pool = self._compressor()
         encoded: list[Append] = []
