@@ -173,7 +173,7 @@ def _cat(parts: list[Any], dtype: Any) -> np.ndarray:
 def _loss_mask(timelines: list[Any], lengths: list[int]) -> np.ndarray:
     """The timelines' loss masks as one int8 array. A mask of 0s and 1s is written from its runs of 1s
     (``binary_runs``: a call's mask, 0s then its answer's 1s, is found by one C count and one comparison)
-    instead of converting every entry (a quarter of an episode's encoding); any other mask is converted
+    instead of converting every entry (about a tenth of an episode's encoding); any other mask is converted
     entry by entry, as before. The values are numpy's either way (an entry equal to 1, such as ``True``
     or ``1.0``, is 1 in numpy's int8 too)."""
     out = np.zeros(sum(lengths), np.int8)
