@@ -12,6 +12,11 @@ the colocate placement (one rank bound to the GPU through ``AJET_RANK_GPUS``).
 
     make install && .venv/bin/python tools/gpu_check.py        # ends with RESULT gpu_ok=1 ...
     .venv/bin/python tools/gpu_check.py --cpu --layers 2       # smoke test of the script on a CPU machine
+    .venv/bin/python tools/gpu_check.py --flex-only            # only the tree mask check (below)
+
+First, a tree-packed micro-batch (``merge.mode: tree``) through FlexAttention's block mask against SDPA's
+dense mask, forward and backward (``flex_tree_check``: the training path of ``merge.tree_attention: flex``,
+which the CPU tests cannot run); ``flex_tree_diff`` in the RESULT line, at most 1e-3 to pass.
 """
 
 from __future__ import annotations
@@ -204,6 +209,83 @@ async def train_pass(engine, model: Path, work: Path, args, backend: str | None)
     return steps
 
 
+def tree_samples(seed: int, branches: int = 6, prefix: int = 200, answer: int = 40) -> list[Sample]:
+    """Forked calls of one episode: a shared prefix, then each call its own answer (trained), some calls
+    continuing an earlier one; packed into one tree by ``pack_tree``, as ``merge.mode: tree`` does."""
+    rng = random.Random(seed)
+    stem = [rng.randrange(1, 1000) for _ in range(prefix)]
+    calls: list[list[int]] = []
+    out = []
+    for k in range(branches):
+        base = rng.choice(calls) if calls and rng.random() < 0.5 else stem
+        body = [rng.randrange(1, 1000) for _ in range(answer)]
+        calls.append(base + body)
+        n = len(calls[-1])
+        out.append(
+            Sample(
+                token_ids=calls[-1],
+                loss_mask=[0] * len(base) + [1] * answer,
+                old_logprobs=[0.0] * n,
+                advantages=[0.0] * len(base) + [1.0] * answer,
+                policy_version=0,
+                episode_id="e",
+                task_id="t",
+                calls=[k],
+            )
+        )
+    return out
+
+
+def flex_tree_check(device: str) -> float:
+    """A tree-packed micro-batch through FlexAttention's block mask against SDPA's dense mask: the trained
+    tokens' logprobs, and on a GPU the gradients of their sum (what ``merge.tree_attention: flex`` trains
+    with; the CPU tests compare the attention forward only, FlexAttention has no backward there). A small
+    Qwen2 with random weights, float32, the trainer's own ``collate``, ``model_inputs`` and
+    ``model_logprobs``. Returns the largest difference relative to the largest value compared."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ajet_hpc.algo.merge import pack_tree
+    from ajet_hpc.algo.output_layer import model_logprobs
+    from ajet_hpc.algo.samples import collate
+    from ajet_hpc.trainer.step import model_inputs
+
+    shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, torch_dtype="float32")
+    config = Qwen2Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    tree = pack_tree(tree_samples(0))
+    assert tree.parents is not None, "the forked calls packed into one chain"
+    weights = None
+    found: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    backward = device != "cpu"
+    for attention in ("sdpa", "flex_attention"):
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation=attention)
+        if weights is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(weights)
+        model.to(device)
+        batch = collate([tree], 0, dense_tree_mask=attention != "flex_attention")
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.set_grad_enabled(backward):
+            inputs = model_inputs(batch, attention, torch.float32)
+            logprobs, _ = model_logprobs(
+                model, inputs, batch["loss_mask"], batch.get("parents"), chunk_tokens=2**62
+            )
+            if backward:
+                logprobs.sum().backward()
+        grads = [p.grad.detach().float().cpu() for p in model.parameters() if p.grad is not None]
+        found[attention] = (logprobs.detach().float().cpu(), grads)
+    (dense, dense_grads), (flex, flex_grads) = found["sdpa"], found["flex_attention"]
+    diff = float((dense - flex).abs().max() / dense.abs().max().clamp_min(1e-12))
+    for a, b in zip(dense_grads, flex_grads, strict=True):
+        diff = max(diff, float((a - b).abs().max() / a.abs().max().clamp_min(1e-12)))
+    print(
+        f"tree mask, {len(tree)} packed tokens of {len(tree.calls)} calls: flex_attention vs sdpa "
+        f"({'forward and backward' if backward else 'forward only'}): largest relative difference {diff:.2e}"
+    )
+    return diff
+
+
 async def check(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ajet-gpu-check-"))
     model = build_model(work / "model", args.layers)
@@ -254,19 +336,25 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
     parser.add_argument("--tolerance", type=float, default=0.1, help="bf16 logprob agreement bound")
     parser.add_argument("--cpu", action="store_true", help="smoke-test this script on the CPU")
+    parser.add_argument(
+        "--flex-only", action="store_true", help="only the tree mask check (FlexAttention against SDPA)"
+    )
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU", file=sys.stderr)
         return 2
     print("device:", "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch", torch.__version__)
     random.seed(0)
-    result = asyncio.run(check(args))
-    ok = result["logprob_maxdiff"] <= args.tolerance
-    print(
-        f"RESULT gpu_ok={int(ok)} engine={result['engine']} step_s={result['step_s']:.3f} "
-        f"sync_s={result['sync_s']:.3f} wake_s={result['wake_s']:.3f} "
-        f"logprob_maxdiff={result['logprob_maxdiff']:.4f}"
+    flex_diff = flex_tree_check("cpu" if args.cpu else "cuda")
+    result = asyncio.run(check(args)) if not args.flex_only else {}
+    ok = flex_diff <= 1e-3 and result.get("logprob_maxdiff", 0.0) <= args.tolerance
+    engine = (
+        f"engine={result['engine']} step_s={result['step_s']:.3f} sync_s={result['sync_s']:.3f} "
+        f"wake_s={result['wake_s']:.3f} logprob_maxdiff={result['logprob_maxdiff']:.4f} "
+        if result
+        else ""
     )
+    print(f"RESULT gpu_ok={int(ok)} {engine}flex_tree_diff={flex_diff:.2e}")
     return 0 if ok else 1
 
 
