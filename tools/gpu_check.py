@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config.placement import cpu_placement, plan_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.trainer import weight_sync
-from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import MemoryWeights, TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_files import MemoryWeights, TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 QWEN25_05B = {
@@ -246,7 +246,7 @@ def flex_tree_check(device: str) -> float:
 
     from ajet_hpc.algo.merge import pack_tree
     from ajet_hpc.algo.output_layer import model_logprobs
-    from ajet_hpc.algo.samples import collate
+    from ajet_hpc.algo.sample_tensors import collate
     from ajet_hpc.trainer.step import model_inputs
 
     shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)

@@ -13,7 +13,7 @@ from ajet_hpc.algo.grpo import (
     policy_loss,
     token_logprobs,
 )
-from ajet_hpc.algo.samples import Sample, collate, pack_micro_batches
+from ajet_hpc.algo.sample_tensors import Sample, collate, pack_micro_batches
 
 __all__ = [
     "Sample",

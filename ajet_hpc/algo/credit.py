@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ajet_hpc.algo.grpo import normalise_in_groups
-from ajet_hpc.algo.samples import is_binary, mask_runs
+from ajet_hpc.algo.sample_tensors import is_binary, mask_runs
 
 
 def turn_returns(turn_rewards: Sequence[float], final_reward: float, gamma: float) -> list[float]:
@@ -66,7 +66,7 @@ def episode_token_advantages(
 
     ``returns[e][t]``: return of turn t of episode e (from :func:`turn_returns`); ``sample_turns[i]``:
     ``(episode, turn)`` of sample i; ``loss_masks[i]``: its loss mask. Returns, per sample, one advantage per
-    token, 0.0 where the loss mask is 0 (ready for :class:`ajet_hpc.algo.samples.Sample.advantages`).
+    token, 0.0 where the loss mask is 0 (ready for :class:`ajet_hpc.algo.sample_tensors.Sample.advantages`).
     """
     if len(sample_turns) != len(loss_masks):
         raise ValueError(f"{len(sample_turns)} sample_turns but {len(loss_masks)} loss_masks: one per sample")

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ajet_hpc.algo.detokenize import TokenText
-from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_list, mask_runs
+from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_list, mask_runs
 
 TOKEN, TEXT = "token", "text"
 

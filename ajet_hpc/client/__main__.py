@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ajet_hpc.client.runner import run_client
-from ajet_hpc.client.supervisor import run_supervised
+from ajet_hpc.client.task_supervisor import run_supervised
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ from ajet_hpc.client.session import (
     ServerError,
     TrainingFinished,
 )
-from ajet_hpc.client.tasks import assigned_tasks, import_entry
+from ajet_hpc.client.task_sources import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.logging_setup import setup_logging

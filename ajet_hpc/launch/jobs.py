@@ -50,7 +50,7 @@ class ClientJob(submitit.helpers.Checkpointable):
 
     def __call__(self, index: int) -> int:
         """Run the array task's runner under its supervisor, which restarts it when it dies."""
-        from ajet_hpc.client.supervisor import describe_exit, run_supervised
+        from ajet_hpc.client.task_supervisor import describe_exit, run_supervised
 
         code = run_supervised(self.run_dir, self.group, index)
         if code:

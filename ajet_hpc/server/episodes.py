@@ -31,7 +31,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from ajet_hpc.server.errors import APIError, BadRequest, Conflict, NotFound
-from ajet_hpc.server.protocol import EpisodeSummary
+from ajet_hpc.server.http_schemas import EpisodeSummary
 from ajet_hpc.tracking.context import ContextTracker
 from ajet_hpc.tracking.episode import EpisodeState, Key, episode_key
 from ajet_hpc.tracking.timeline import Timeline

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet_hpc.server.auth import AuthError, redact
-from ajet_hpc.server.protocol import ErrorDetail, ErrorResponse
+from ajet_hpc.server.http_schemas import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

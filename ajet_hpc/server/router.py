@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from ajet_hpc.server import protocol as p
+from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable

@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Chunk, Engine, EngineError, PromptTooLong, SamplingParams
-from ajet_hpc.server import protocol as p
+from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.episodes import OPEN, Episode
 from ajet_hpc.server.errors import BadRequest, NotFound
 from ajet_hpc.server.toolcalls import PARSERS, holdback

@@ -11,7 +11,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ajet_hpc.server.protocol import FunctionCall, ToolCall
+from ajet_hpc.server.http_schemas import FunctionCall, ToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)

@@ -29,7 +29,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.storage.h5_layout import (
     LAYOUT_VERSION,
     OFFSETS,

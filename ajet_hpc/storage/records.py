@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from ajet_hpc.algo.samples import binary_runs
+from ajet_hpc.algo.sample_tensors import binary_runs
 from ajet_hpc.storage.h5_layout import ROWS
 from ajet_hpc.tracking.episode import EpisodeState
 
 if TYPE_CHECKING:
-    from ajet_hpc.algo.samples import Sample
+    from ajet_hpc.algo.sample_tensors import Sample
     from ajet_hpc.tracking.episode import EpisodeData
     from ajet_hpc.tracking.timeline import Timeline
 

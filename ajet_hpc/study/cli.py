@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.study") 
 
             print(slurm_job.submit(spec, study_dir))
             return 0
-        from ajet_hpc.study.supervisor import Supervisor, SupervisorRunning
+        from ajet_hpc.study.trial_supervisor import Supervisor, SupervisorRunning
 
         print(f"study directory: {study_dir.root}; `python -m ajet_hpc.study {study_dir.root} status`")
         try:

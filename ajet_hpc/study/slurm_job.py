@@ -32,7 +32,7 @@ class SupervisorJob(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         from ajet_hpc.logging_setup import setup_logging
         from ajet_hpc.study.schema import load_study
-        from ajet_hpc.study.supervisor import LEASE_TIMING, Supervisor
+        from ajet_hpc.study.trial_supervisor import LEASE_TIMING, Supervisor
 
         setup_logging()
         os.chdir(self.cwd)

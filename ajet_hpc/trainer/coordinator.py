@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ajet_hpc.algo.detokenize import TokenText
 from ajet_hpc.algo.merge import MergeStats
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import ServerConfig, TrainerConfig
 from ajet_hpc.config.placement import Placement
 from ajet_hpc.config.topology import server_placement
@@ -41,9 +41,9 @@ from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer import metrics, weight_sync
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
+from ajet_hpc.trainer.episodes_to_samples import build_samples, gc_paused
 from ajet_hpc.trainer.journal import ConsumedJournal
-from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import (
+from ajet_hpc.trainer.rank_files import (
     RESUME_LIMIT_VAR,
     MemoryWeights,
     StepResult,
@@ -53,8 +53,8 @@ from ajet_hpc.trainer.protocol import (
     WorkDir,
     encode_batch,
 )
+from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
-from ajet_hpc.trainer.samples import build_samples, gc_paused
 from ajet_hpc.trainer.sync_channel import SyncServer, announce_job_ending, clear
 from ajet_hpc.trainer.trackers import Trackers, step_histograms
 

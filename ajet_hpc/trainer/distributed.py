@@ -70,7 +70,9 @@ def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] =
         )
     if "SLURM_PROCID" in environ:
         if "MASTER_PORT" not in environ:
-            raise RuntimeError("under srun the launcher must set MASTER_PORT (see ajet_hpc.trainer.launch)")
+            raise RuntimeError(
+                "under srun the launcher must set MASTER_PORT (see ajet_hpc.trainer.rank_launcher)"
+            )
         addr = environ.get("MASTER_ADDR")
         if not addr:
             nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
@@ -85,7 +87,9 @@ def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] =
             master_port=int(environ["MASTER_PORT"]),
             node=int(environ.get("SLURM_NODEID", "0")),
         )
-    raise RuntimeError("neither RANK (torchrun) nor SLURM_PROCID (srun) is set: use ajet_hpc.trainer.launch")
+    raise RuntimeError(
+        "neither RANK (torchrun) nor SLURM_PROCID (srun) is set: use ajet_hpc.trainer.rank_launcher"
+    )
 
 
 def init_process_group(env: RankEnv, on_gpu: bool) -> None:

@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 from ajet_hpc.algo.grpo import policy_loss
 from ajet_hpc.algo.output_layer import model_logprobs
-from ajet_hpc.algo.samples import Sample, collate, dense_tree_mask_of, pack_micro_batches, tree_block_mask
+from ajet_hpc.algo.sample_tensors import (
+    Sample,
+    collate,
+    dense_tree_mask_of,
+    pack_micro_batches,
+    tree_block_mask,
+)
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import shard_by_tokens
 from ajet_hpc.trainer.zero import Models
@@ -142,9 +148,9 @@ def model_inputs(
     A tree batch's mask takes the form its attention kernel takes: SDPA gets the boolean ``[B, 1, T, T]``
     mask (True = may attend); eager attention adds its mask to the scores, so it gets 0 / the dtype's
     minimum instead; FlexAttention (``flex_attention``, chosen on GPUs by
-    :func:`ajet_hpc.algo.samples.tree_attention`) gets a ``BlockMask`` built from ``tree_ends`` that never
-    grows quadratically. The dense forms are built here when the batch was collated without them. Other
-    kernels (flash attention) take no arbitrary mask: tree merging is refused there.
+    :func:`ajet_hpc.algo.sample_tensors.tree_attention`) gets a ``BlockMask`` built from ``tree_ends``
+    that never grows quadratically. The dense forms are built here when the batch was collated without
+    them. Other kernels (flash attention) take no arbitrary mask: tree merging is refused there.
     """
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if "position_ids" not in batch:

@@ -134,7 +134,7 @@ class WeightSender:
         )
 
     def _init_info(self, config, rank: int):
-        from ajet_hpc.trainer.launch import PARENT_HOST_VAR, free_port
+        from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, free_port
 
         workers = int(os.environ.get(WORKERS_VAR, "1"))
         bucket = config.weight_sync_bucket_mb * 2**20

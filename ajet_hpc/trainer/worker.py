@@ -2,7 +2,7 @@
 
 Run under torchrun (one node) or srun (several nodes), one process per rank; see ``launch``. The rank
 joins the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
-``ready.json`` (rank 0), then serves the work dir's inbox (see ``protocol``) until ``stop`` appears.
+``ready.json`` (rank 0), then serves the work dir's inbox (see ``rank_files``) until ``stop`` appears.
 
 Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (`Found`:
 the next batch, or a `Control`: nothing yet, stop, save) to all ranks, so all ranks take the same decision
@@ -35,10 +35,9 @@ from ajet_hpc.config.placement import bind_rank_gpu
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
-from ajet_hpc.trainer import protocol, weight_sync, zero
+from ajet_hpc.trainer import rank_files, weight_sync, zero
 from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
-from ajet_hpc.trainer.launch import PARENT_HOST_VAR, PARENT_PID_VAR
-from ajet_hpc.trainer.protocol import (
+from ajet_hpc.trainer.rank_files import (
     Batch,
     DiskWeights,
     MemoryWeights,
@@ -47,6 +46,7 @@ from ajet_hpc.trainer.protocol import (
     WithheldWeights,
     WorkDir,
 )
+from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.step import train_step
 from ajet_hpc.trainer.sync_channel import ENGINE_UP, wait_for_engine
 
@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _recorded_step(environ: Mapping[str, str]) -> int | None:
     """The last step the coordinator recorded (``AJET_RESUME_AT_MOST``), None when not given."""
-    value = environ.get(protocol.RESUME_LIMIT_VAR, "").strip()
+    value = environ.get(rank_files.RESUME_LIMIT_VAR, "").strip()
     if not value:
         return None
     try:
         return int(value)
     except ValueError as exc:
-        raise RuntimeError(f"{protocol.RESUME_LIMIT_VAR}={value!r} is not a step number") from exc
+        raise RuntimeError(f"{rank_files.RESUME_LIMIT_VAR}={value!r} is not a step number") from exc
 
 
 def _exit_if_asked(stop_file: Path) -> None:
@@ -162,7 +162,7 @@ class Rank:
                 recorded=_recorded_step(os.environ),
             )
             if self.env.rank == 0:
-                for path in protocol.discard_after(self.work, self.step):
+                for path in rank_files.discard_after(self.work, self.step):
                     log.info("removed %s, left by a run past step %d", path, self.step)
             self.sender = self._open_sender()
             weights = self._publish(self.step) if self.step else None
@@ -203,7 +203,7 @@ class Rank:
                 self._train(batch)
             except Exception as error:
                 log.exception("step %d failed", batch.step)
-                protocol.write_error(self.work, batch.step, f"rank {self.env.rank}: {_describe(error)}")
+                rank_files.write_error(self.work, batch.step, f"rank {self.env.rank}: {_describe(error)}")
                 return 1
 
     def _next_batch(self) -> Batch | None:
@@ -267,7 +267,7 @@ class Rank:
             checkpoint_time,
         )
         if rank == 0:
-            protocol.write_result(self.work, result)
+            rank_files.write_result(self.work, result)
             self.work.batch_file(batch.step).unlink(missing_ok=True)
 
     def _save_on_request(self) -> None:
@@ -318,7 +318,7 @@ def look(work: WorkDir, step: int) -> Found:
     request = read_json(work.save_request) if work.save_request.exists() else None
     if request is not None:  # before "stop": a save is asked for first, on a signal
         wanted = request.get("step")
-        state = protocol.read_trainer_state(work)
+        state = rank_files.read_trainer_state(work)
         if wanted == step and (state is None or state.step != step):
             return Control.SAVE
         if wanted != step:
@@ -334,9 +334,9 @@ def look(work: WorkDir, step: int) -> Found:
     expected = step + 1
     for pending in work.pending_steps():
         if pending == expected:
-            return protocol.read_batch(work.batch_file(pending))
+            return rank_files.read_batch(work.batch_file(pending))
         if pending > expected and not work.result_file(pending).exists():
-            protocol.write_error(
+            rank_files.write_error(
                 work, pending, f"the trainer is at step {step} and takes step {expected} next"
             )
     return Control.WAIT

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from ajet_hpc.algo.samples import tree_attention
+from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
-from ajet_hpc.trainer import protocol
-from ajet_hpc.trainer.protocol import TrainerState, WorkDir
+from ajet_hpc.trainer import rank_files
+from ajet_hpc.trainer.rank_files import TrainerState, WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +159,11 @@ def export_weights(models: Models, work: WorkDir, step: int, model_dir: Path, ra
     final = work.weights_dir(step)
     if rank != 0:
         return final
-    staged = protocol.staging_dir(work, step)
+    staged = rank_files.staging_dir(work, step)
     module = models.engine.module
     module.save_pretrained(staged, state_dict=state, safe_serialization=True)
-    protocol.copy_model_extras(model_dir, staged)
-    return protocol.publish_weights(work, step, staged)
+    rank_files.copy_model_extras(model_dir, staged)
+    return rank_files.publish_weights(work, step, staged)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     ``trainer_state.json``. All ranks call it. A crash before the last write leaves the previous one."""
     import torch.distributed as dist
 
-    tag = protocol.step_name(step)
+    tag = rank_files.step_name(step)
     tag_dir = work.ds / tag
     if rank == 0 and tag_dir.exists():  # left by an abandoned run that got past this step
         shutil.rmtree(tag_dir)
@@ -206,8 +206,8 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     if rank == 0:
         files = [_rng_file(r) for r in range(world_size)]
         state = TrainerState(step=step, tag=tag, world_size=world_size, zero_stage=stage, rng_files=files)
-        protocol.commit_checkpoint(
-            work, protocol.next_trainer_state(protocol.read_trainer_state(work), state)
+        rank_files.commit_checkpoint(
+            work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state)
         )
         _test_exit_after_commit(work, step)
     dist.barrier()
@@ -234,19 +234,19 @@ def resume(
 ) -> int:
     """Load the checkpoint ``trainer_state.json`` names, if any; the step it was taken after (0: fresh).
     ``recorded``: the last step the coordinator recorded; a checkpoint past it is gone back from
-    (`protocol.resume_point`), and rank 0 names the one resumed from the trusted one. All ranks call it."""
+    (`rank_files.resume_point`), and rank 0 names the one resumed from the trusted one. All ranks call it."""
     import torch.distributed as dist
 
-    trusted = protocol.read_trainer_state(work)
+    trusted = rank_files.read_trainer_state(work)
     if trusted is None:
         return 0
-    state, why = protocol.resume_point(trusted, recorded)
+    state, why = rank_files.resume_point(trusted, recorded)
     if why is not None and rank == 0:
         log.warning("%s", why)
     if state is not trusted:
         dist.barrier()  # every rank has read the trusted state
         if rank == 0:
-            protocol.uncommit_checkpoint(work, state)
+            rank_files.uncommit_checkpoint(work, state)
     if state is None:
         return 0
     if (state.world_size, state.zero_stage) != (world_size, stage):

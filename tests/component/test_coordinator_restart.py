@@ -21,7 +21,7 @@ from coordinator_support import REPEATS, coordinator_for, finished
 
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.protocol import WorkDir, read_trainer_state
+from ajet_hpc.trainer.rank_files import WorkDir, read_trainer_state
 from ajet_hpc.trainer.zero import TEST_EXIT_AFTER_COMMIT
 
 pytestmark = pytest.mark.slow

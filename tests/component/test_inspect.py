@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import dump_topology, load_topology
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.inspect.cli import main

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
-from ajet_hpc.algo.samples import Sample, collate
+from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.trainer.step import model_inputs
 
 
@@ -126,7 +126,7 @@ def test_linear_and_tree_merging_give_the_loss_logprobs_and_gradients_of_separat
 
 def test_episode_weighting_is_the_same_merged_or_not(tiny_model: Path) -> None:
     """With per-token weights (each episode weighing the same), merging keeps each token's weight."""
-    from ajet_hpc.trainer.samples import weigh_episodes
+    from ajet_hpc.trainer.episodes_to_samples import weigh_episodes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     first = calls(model.config.vocab_size, seed=1)

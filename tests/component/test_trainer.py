@@ -21,14 +21,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
-from ajet_hpc.algo.samples import Sample, collate
+from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
-from ajet_hpc.trainer.launch import hostfile_lines, rank_command, start_ranks
-from ajet_hpc.trainer.protocol import (
+from ajet_hpc.trainer.rank_files import (
     RESUME_LIMIT_VAR,
     StepResult,
     TrainerChannel,
@@ -39,6 +38,7 @@ from ajet_hpc.trainer.protocol import (
     step_name,
     write_error,
 )
+from ajet_hpc.trainer.rank_launcher import hostfile_lines, rank_command, start_ranks
 from ajet_hpc.trainer.step import plan_micro_batches
 from ajet_hpc.trainer.worker import export_root
 

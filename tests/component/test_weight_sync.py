@@ -22,7 +22,7 @@ from coordinator_support import REPEATS, coordinator_for, finished
 from support import tied_copy
 from transformers import AutoModelForCausalLM
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
@@ -30,8 +30,7 @@ from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.weight_transfer import STALL_VAR
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import metrics, weight_sync
-from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import (
+from ajet_hpc.trainer.rank_files import (
     DiskWeights,
     MemoryWeights,
     TrainerChannel,
@@ -39,6 +38,7 @@ from ajet_hpc.trainer.protocol import (
     WorkDir,
     read_trainer_state,
 )
+from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 pytestmark = pytest.mark.slow

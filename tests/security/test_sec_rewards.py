@@ -22,7 +22,7 @@ from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.trainer.collector import Batch, BatchCollector
 from ajet_hpc.trainer.coordinator import Coordinator
-from ajet_hpc.trainer.samples import build_samples
+from ajet_hpc.trainer.episodes_to_samples import build_samples
 
 LIMIT = 10.0
 

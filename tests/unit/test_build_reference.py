@@ -17,11 +17,11 @@ import numpy as np
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import group_turn_advantages
 from ajet_hpc.algo.merge import MergeStats
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer import samples as trainer_samples
+from ajet_hpc.trainer import episodes_to_samples as trainer_samples
 from ajet_hpc.trainer.collector import Batch
 
 # ---- the reference: build_samples before (verbatim but for the names) ----------------------------------

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.storage import episode_store, h5_layout
 from ajet_hpc.storage.episode_store import LAYOUT_VERSION, EpisodeReader, EpisodeWriter, StoreError

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ajet_hpc.algo import merge
-from ajet_hpc.algo.samples import Sample, collate
+from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.engine.tiny import build_tokenizer
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from ajet_hpc.algo import merge
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.engine import tiny, tiny_qwen
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer import samples as trainer_samples
+from ajet_hpc.trainer import episodes_to_samples as trainer_samples
 
 # ---------------------------------------------------------------------------------------------------------
 # The reference: merge_linear and pack_tree as they were before they were made linear (per-token loops,

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from ajet_hpc.algo.grpo import entropy_from_logits, token_logprobs
 from ajet_hpc.algo.output_layer import head_logprobs, model_logprobs, predicted_positions
-from ajet_hpc.algo.samples import Sample, collate
+from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.engine import tiny, tiny_qwen
 from ajet_hpc.trainer.step import model_inputs
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from test_batch_file import random_sample
 
-from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_arrays, binary_runs, is_binary, mask_runs
+from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_arrays, binary_runs, is_binary, mask_runs
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.storage.records import StepRecord, encode_step
 from ajet_hpc.tracking.timeline import Timeline
 from ajet_hpc.trainer.collector import Batch
-from ajet_hpc.trainer.protocol import WorkDir, encode_batch, read_batch
-from ajet_hpc.trainer.samples import build_samples
+from ajet_hpc.trainer.episodes_to_samples import build_samples
+from ajet_hpc.trainer.rank_files import WorkDir, encode_batch, read_batch
 from ajet_hpc.trainer.trackers import step_histograms
 
 

@@ -19,7 +19,7 @@ from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.study import search
 from ajet_hpc.study.cli import open_study_dir
-from ajet_hpc.study.supervisor import Supervisor
+from ajet_hpc.study.trial_supervisor import Supervisor
 
 
 def _study(tmp_path: Path, seeds: list[int], **fields: object) -> Supervisor:

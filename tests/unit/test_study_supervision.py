@@ -13,7 +13,7 @@ from support import REPO, run_module
 from ajet_hpc.study.cli import main, open_study_dir
 from ajet_hpc.study.layout import StudyDir
 from ajet_hpc.study.progress import step_rows, windowed
-from ajet_hpc.study.supervisor import take_lease
+from ajet_hpc.study.trial_supervisor import take_lease
 
 
 def test_events_are_appended_rows_and_a_torn_line_is_skipped(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from ajet_hpc.algo.samples import (
+from ajet_hpc.algo.sample_tensors import (
     Sample,
     collate,
     dense_tree_mask_of,

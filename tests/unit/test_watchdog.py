@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from support import topology_dict
 
-from ajet_hpc.client import discovery, runner, supervisor
+from ajet_hpc.client import discovery, runner, task_supervisor
 from ajet_hpc.client.api import Task
-from ajet_hpc.client.tasks import assigned_tasks, epochs
+from ajet_hpc.client.task_sources import assigned_tasks, epochs
 from ajet_hpc.config import ServingConfig, load_topology
 from ajet_hpc.config.errors import ConfigError
 from ajet_hpc.engine.transformers_engine import TransformersEngine
@@ -145,7 +145,7 @@ def test_supervisor_restarts_a_killed_runner_until_it_finishes(tmp_path: Path) -
         "starts.write_text('x' * (n + 1))\n"
         "if n < 2: os.kill(os.getpid(), signal.SIGKILL)\n",
     )
-    assert supervisor.supervise(run, group, 0, command, delay_s=0) == 0
+    assert task_supervisor.supervise(run, group, 0, command, delay_s=0) == 0
     assert (tmp_path / "starts").read_text() == "xxx"
     assert task_ends.end_state(run, group, 0) is None
 
@@ -154,7 +154,7 @@ def test_supervisor_gives_up_after_max_restarts_and_marks_the_task_failed(tmp_pa
     run = make_run(tmp_path, max_restarts=1)
     group = run.load_topology().clients[0]
     command = _script(tmp_path, "raise SystemExit(1)\n")
-    assert supervisor.supervise(run, group, 1, command, delay_s=0) == supervisor.EXIT_GAVE_UP
+    assert task_supervisor.supervise(run, group, 1, command, delay_s=0) == task_supervisor.EXIT_GAVE_UP
     assert task_ends.end_state(run, group, 1) == task_ends.FAILED
 
 
@@ -162,7 +162,7 @@ def test_supervisor_does_not_restart_a_runner_whose_server_is_gone(tmp_path: Pat
     run = make_run(tmp_path, max_restarts=3)
     group = run.load_topology().clients[0]
     command = _script(tmp_path, f"raise SystemExit({runner.EXIT_SERVER_GONE})\n")
-    assert supervisor.supervise(run, group, 0, command, delay_s=0) == runner.EXIT_SERVER_GONE
+    assert task_supervisor.supervise(run, group, 0, command, delay_s=0) == runner.EXIT_SERVER_GONE
 
 
 def test_status_shows_state_step_last_step_and_reason(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
     from zero_engine import ZeroEngine
 
     from ajet_hpc.config import ServingConfig
-    from ajet_hpc.server import protocol as p
+    from ajet_hpc.server import http_schemas as p
     from ajet_hpc.server.app import ServerContext
     from ajet_hpc.server.auth import authorize_episode_call, issue_episode_token
     from ajet_hpc.tracking.context import ContextTracker

@@ -80,15 +80,15 @@ from ajet_hpc.storage.records import StepRecord, encode_step  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
-from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
-from ajet_hpc.trainer.protocol import TrainerChannel, encode_batch  # noqa: E402
-from ajet_hpc.trainer.samples import (  # noqa: E402
+from ajet_hpc.trainer.episodes_to_samples import (  # noqa: E402
     build_samples,
     call_samples,
     explain_snaps,
     gc_paused,
     record_fault,
 )
+from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
+from ajet_hpc.trainer.rank_files import TrainerChannel, encode_batch  # noqa: E402
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from ajet_hpc.algo.samples import Sample
+from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config.placement import cpu_placement, plan_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer import weight_sync
-from ajet_hpc.trainer.launch import start_ranks
-from ajet_hpc.trainer.protocol import TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_files import TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
 
 SHAPES = {

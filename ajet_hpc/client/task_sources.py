@@ -67,7 +67,7 @@ def open_source(spec: str, base_dir: Path | None = None) -> Iterator[Task]:
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         try:
-            module = importlib.import_module(f"ajet_hpc.tasks.{name}")
+            module = importlib.import_module(f"ajet_hpc.builtin_tasks.{name}")
         except ImportError as exc:
             raise TaskSourceError(f"no built-in task source {name!r}") from exc
         return iter(module.tasks())

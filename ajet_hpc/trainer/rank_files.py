@@ -58,7 +58,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import numpy as np
 import torch
 
-from ajet_hpc.algo.samples import ARRAY_TYPES, Sample
+from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample
 from ajet_hpc.storage.files import read_json, write_bytes_atomic, write_json_atomic
 
 KEEP_WEIGHTS = 2

@@ -31,7 +31,7 @@ import numpy as np
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import group_turn_advantages, masked_row, turn_returns
 from ajet_hpc.algo.merge import MergeStats, Snap
-from ajet_hpc.algo.samples import ARRAY_TYPES, Sample, as_arrays, binary_runs, trained_count
+from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_arrays, binary_runs, trained_count
 from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline

@@ -33,7 +33,7 @@ from pathlib import Path
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import slurm_hostnames
-from ajet_hpc.trainer.protocol import WorkDir
+from ajet_hpc.trainer.rank_files import WorkDir
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
 PARENT_HOST_VAR = "AJET_TRAINER_PARENT_HOST"
