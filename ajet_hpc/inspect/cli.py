@@ -25,7 +25,7 @@ from ajet_hpc.inspect.plot import plot
 from ajet_hpc.inspect.run import InspectError, ModelRun, Run, load_tokenizer
 from ajet_hpc.inspect.views import EpisodeFilter, check_step, episodes_text, summary_text
 from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.storage.episode_store import StoreError
+from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.records import CLOSED_STATES
 
 EXIT_BAD_INPUT = 2

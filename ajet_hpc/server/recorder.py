@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ajet_hpc.config.topology import StoreConfig
-from ajet_hpc.storage.episode_store import EpisodeWriter, UnstorableRecord
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter, UnstorableRecord
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 
 log = logging.getLogger(__name__)

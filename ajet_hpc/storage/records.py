@@ -3,7 +3,7 @@
 An :class:`EpisodeRecord` (a closed episode: its timelines, reward, metadata) or a :class:`StepRecord` (a
 training step: its metrics row and samples) becomes an :class:`Append` before the store's file is touched:
 the new rows of each table, the lengths behind each offsets dataset, and the values of each column, as the
-writer (:mod:`ajet_hpc.storage.episode_store`) lays them out. What each row, offset and column holds:
+writer (:mod:`ajet_hpc.storage.episode_store_writer`) lays them out. What each row, offset and column holds:
 docs/storage.md, "Server store".
 """
 

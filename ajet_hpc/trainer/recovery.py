@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.storage.episode_store import EpisodeReader, StoreError
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.episode import EpisodeState, episode_key
 
