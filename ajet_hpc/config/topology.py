@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -384,7 +384,32 @@ class StoreConfig(BaseModel):
     )
 
 
-class ServerConfig(BaseModel):
+class JobResources(BaseModel):
+    """The Slurm resources of one job: its partition, CPUs per task, memory and time limit.
+
+    The base of every model that becomes a job (a server job, each array task of a client group): what the
+    launcher and the consistency checks ask of any job (``time_min`` included), typed once. Each subclass
+    declares these fields itself, with its own default and help (a server job: partition gpu, 4 CPUs, 16G;
+    an array task: cpu, 1, 2G), in its own place among its fields: pydantic puts a base's fields first,
+    which would reorder the keys of the frozen ``RUN/topology.yaml`` (an existing run would then read as
+    changed on resume) and the allowed keys an unknown-key error lists.
+    """
+
+    model_config = _MODEL_CONFIG
+
+    if TYPE_CHECKING:  # declared by each subclass, see above
+        partition: Partition
+        cpus: int
+        mem: SlurmMemory
+        time: SlurmTime
+
+    @property
+    def time_min(self) -> int:
+        """The time limit in whole minutes (seconds round up)."""
+        return slurm_time_minutes(self.time)
+
+
+class ServerConfig(JobResources):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""
 
     model_config = _MODEL_CONFIG
@@ -439,13 +464,8 @@ class ServerConfig(BaseModel):
         description="Trainer settings of this model; null serves it without training.",
     )
 
-    @property
-    def time_min(self) -> int:
-        """The time limit in whole minutes (seconds round up)."""
-        return slurm_time_minutes(self.time)
 
-
-class ClientGroupConfig(BaseModel):
+class ClientGroupConfig(JobResources):
     """One group of agents: a Slurm job array whose tasks run episodes against the named servers."""
 
     model_config = _MODEL_CONFIG
@@ -510,11 +530,6 @@ class ClientGroupConfig(BaseModel):
         "of memory), in its allocation; each resumes from the task's store. Then the array task fails.",
     )
 
-    @property
-    def time_min(self) -> int:
-        """The time limit in whole minutes (seconds round up)."""
-        return slurm_time_minutes(self.time)
-
 
 class Topology(BaseModel):
     """A whole run: its identity, the cluster settings, the servers and the client groups."""
@@ -575,7 +590,7 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
                 issues.append(ConfigIssue(path, f"server {ref!r} is listed twice"))
             seen.add(ref)
     delay = topology.cluster.signal_delay_s
-    jobs: list[tuple[str, Sequence[ServerConfig | ClientGroupConfig]]] = [
+    jobs: list[tuple[str, Sequence[JobResources]]] = [
         ("servers", topology.servers),
         ("clients", topology.clients),
     ]
