@@ -3,21 +3,31 @@ recorder hands them (tests/component: test_coordinator_overlap, test_weight_sync
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from support import topology_dict
+from transformers import PreTrainedTokenizerBase
 
 from ajet_hpc.config import ServingConfig, load_topology
+from ajet_hpc.config.topology import server_placement
+from ajet_hpc.engine.base import Engine
+from ajet_hpc.engine.transformers_engine import TransformersEngine
+from ajet_hpc.engine.vllm_engine import VllmEngine
 from ajet_hpc.server.app import ServerContext
 from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.host import TrainerSetup
+from ajet_hpc.trainer.sync_plan import decide
 
 SECRET = "c0" * 32
 REPEATS = 2  # one task group of two episodes per batch
 
 
-def finished(tokenizer, task: str, repeat: int, version: int) -> Episode:
+def finished(tokenizer: PreTrainedTokenizerBase, task: str, repeat: int, version: int) -> Episode:
     """A finished episode of one call served by policy ``version``, rewards unequal within its task."""
     tracker = ContextTracker(tokenizer)
     plan = tracker.build_prompt([{"role": "user", "content": f"{task}?"}])
@@ -30,7 +40,12 @@ def finished(tokenizer, task: str, repeat: int, version: int) -> Episode:
     return episode
 
 
-def coordinator_for(tmp_path: Path, engine, **trainer) -> Coordinator:
+def coordinator_for(
+    tmp_path: Path, engine: Engine, rank_env: Mapping[str, str] | None = None, **trainer: object
+) -> Coordinator:
+    """A coordinator of server ``policy`` hosted by a bare `ServerContext` over ``engine``, its run folder
+    ``tmp_path/run``, its weight sync decided as the server decides it; ``rank_env``: the ranks' environment
+    (None: this process's)."""
     data = topology_dict(tmp_path / "run")
     data["servers"][0]["trainer"] = {
         "ranks": 1,
@@ -45,4 +60,18 @@ def coordinator_for(tmp_path: Path, engine, **trainer) -> Coordinator:
     ctx = ServerContext(
         name="policy", engine=engine, settings=ServingConfig(max_model_len=1024), secret=SECRET
     )
-    return Coordinator(ctx, server, engine.model_path, tmp_path / "run", on_slurm=False)
+    assert isinstance(engine, VllmEngine | TransformersEngine), engine
+    kind: Literal["vllm", "transformers"] = "vllm" if isinstance(engine, VllmEngine) else "transformers"
+    placement = server_placement(server)
+    sync = decide(server.trainer, placement, kind)
+    setup = TrainerSetup(
+        server=server,
+        model_path=engine.model_path,
+        run=RunDir(tmp_path / "run"),
+        on_slurm=False,
+        placement=placement,
+        sync=sync,
+        receiver=engine if sync.in_memory and isinstance(engine, VllmEngine) else None,
+        rank_env=rank_env,
+    )
+    return Coordinator(ctx, setup)

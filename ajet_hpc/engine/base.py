@@ -109,7 +109,9 @@ class Engine(Protocol):
     ``abort(request_id)`` ends a running request (its stream ends with "abort"); unknown ids are ignored.
     ``load_weights(path, version)`` loads the weights of a ``save_pretrained`` folder of the same
     architecture into the running engine and sets ``policy_version``; the engines document what happens
-    to requests in flight.
+    to requests in flight. ``sleep()`` frees the engine's accelerator memory while colocated trainer ranks
+    run and ``wake_up()`` takes it back, each returning the seconds it took (0 for an engine without a
+    sleep mode: `EngineLifecycle`).
     """
 
     name: str
@@ -130,6 +132,10 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def load_weights(self, path: Path, version: int) -> None: ...
+
+    async def sleep(self) -> float: ...
+
+    async def wake_up(self) -> float: ...
 
 
 def fit_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:

@@ -29,6 +29,17 @@ def vllm_available() -> tuple[bool, str]:
     return True, "vllm imports"
 
 
+def resolve_kind(kind: EngineKind) -> Literal["vllm", "transformers"]:
+    """The engine ``kind`` builds: ``auto`` is vLLM where it imports, else transformers (logged)."""
+    if kind == "auto":
+        ok, why = vllm_available()
+        log.info("engine auto: %s (%s)", "vllm" if ok else "transformers", why)
+        return "vllm" if ok else "transformers"
+    if kind not in _ENGINES:
+        raise ValueError(f"engine kind must be 'auto', 'vllm' or 'transformers', got {kind!r}")
+    return kind
+
+
 def create_engine(kind: EngineKind, model_path: Path, **settings: Any) -> Engine:
     """An engine of ``kind`` for the model folder, not started.
 
@@ -36,22 +47,17 @@ def create_engine(kind: EngineKind, model_path: Path, **settings: Any) -> Engine
     the other engine knows (e.g. gpu_memory_utilization for transformers) are dropped, with a log line;
     with an explicit kind they are an error, and so is a field neither engine knows.
     """
-    if kind != "auto" and kind not in _ENGINES:
-        raise ValueError(f"engine kind must be 'auto', 'vllm' or 'transformers', got {kind!r}")
+    auto = kind == "auto"
+    resolved = resolve_kind(kind)
     everywhere = {f.name for _, s in _ENGINES.values() for f in dataclasses.fields(s)}
     unknown = sorted(set(settings) - everywhere)
     if unknown:
         raise TypeError(f"unknown engine settings {unknown}; known: {sorted(everywhere)}")
-    auto = kind == "auto"
-    if auto:
-        ok, why = vllm_available()
-        kind = "vllm" if ok else "transformers"
-        log.info("engine auto: %s (%s)", kind, why)
-    engine_class, settings_class = _ENGINES[kind]
+    engine_class, settings_class = _ENGINES[resolved]
     known = {f.name for f in dataclasses.fields(settings_class)}
     dropped = sorted(set(settings) - known)
     if dropped and not auto:
         raise TypeError(f"settings {dropped} do not apply to the {kind} engine; known: {sorted(known)}")
     if dropped:
-        log.info("engine %s: ignoring settings of the other engine: %s", kind, dropped)
+        log.info("engine %s: ignoring settings of the other engine: %s", resolved, dropped)
     return engine_class(Path(model_path), settings_class(**{k: v for k, v in settings.items() if k in known}))

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI
 
@@ -20,8 +19,10 @@ from ajet_hpc.server import challenge, watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.gate import RequestGate
+from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.server.router import router
 from ajet_hpc.server.serving import Service
+from ajet_hpc.trainer.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ class ServerContext:
     job_id: str = "local"
     public_url: str = ""  # how agents reach this server; set once the port is known
     started_at: float = field(default_factory=time.time)
-    coordinator: Any = None  # ajet_hpc.trainer.coordinator.Coordinator when the model trains
-    recorder: Any = None  # ajet_hpc.server.recorder.EpisodeRecorder: closed episodes to RUN/data/<model>.h5
+    coordinator: Coordinator | None = None  # when the model trains (`attach_trainer`)
+    recorder: EpisodeRecorder | None = None  # closed episodes to RUN/data/<model>.h5 (`attach_recorder`)
     on_finished: Callable[[], None] | None = None  # called once training is complete
     on_failed: Callable[[], None] | None = None  # called once the watchdog gives up (``fail``)
     reason: str | None = None  # why the server finished early or failed (rendezvous, /v1/status)
@@ -75,13 +76,14 @@ class ServerContext:
             return "trained"
         return "training" if self.coordinator is not None else "serving"
 
-    def attach_recorder(self, recorder: Any) -> None:
+    def attach_recorder(self, recorder: EpisodeRecorder) -> None:
         self.recorder = recorder
         self.episodes.on_closed(recorder.submit)
 
-    def attach_trainer(self, coordinator: Any) -> None:
+    def attach_trainer(self, coordinator: Coordinator) -> None:
         """The trainer's collector takes each finished episode once it is in the store (see
-        ``EpisodeRecorder.on_written``); without a store (tests), once it is closed."""
+        ``EpisodeRecorder.on_written``); without a store (tests), once it is closed. The context is the
+        coordinator's `TrainerHost` (``trainer.host``)."""
         self.coordinator = coordinator
         if self.recorder is not None:
             self.episodes.on_closed(coordinator.collector.announce)  # coming: its task group waits for it
@@ -92,11 +94,11 @@ class ServerContext:
     @property
     def step(self) -> int:
         """The last trained step (0 without a trainer)."""
-        return getattr(self.coordinator, "step", 0)
+        return 0 if self.coordinator is None else self.coordinator.step
 
     @property
     def last_step_at(self) -> float | None:
-        return getattr(self.coordinator, "last_step_at", None)
+        return None if self.coordinator is None else self.coordinator.last_step_at
 
     def fail(self, reason: str) -> None:
         """The watchdog gives up (the trainer's ranks failed ``trainer.max_restarts`` times in a row, or the

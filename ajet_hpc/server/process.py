@@ -1,4 +1,5 @@
-"""The server process: bind a port, serve HTTP, publish the rendezvous file, withdraw it on exit."""
+"""The server process: bind a port, assemble the server (``server.assembly``), serve HTTP, publish the
+rendezvous file, withdraw it on exit."""
 
 from __future__ import annotations
 
@@ -12,24 +13,18 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
-from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import co_trained, mix_of, repeats_feeding, server_placement
-from ajet_hpc.engine.model_path import resolve_model
-from ajet_hpc.engine.select import create_engine
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
 from ajet_hpc.server.app import ServerContext, create_app
-from ajet_hpc.server.recorder import EpisodeRecorder
+from ajet_hpc.server.assembly import Job, assemble
 from ajet_hpc.slurm import environment
-from ajet_hpc.storage import rendezvous, task_ends
+from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.coordinator import Coordinator
-from ajet_hpc.trainer.recovery import stored_summaries
-from ajet_hpc.trainer.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +178,6 @@ def _stop_when_idle(ctx: ServerContext, server: uvicorn.Server, grace_s: float =
     threading.Thread(target=wait, name="stop-when-idle", daemon=True).start()
 
 
-def _sources_ended(run: RunDir, topology, server: str) -> str | None:
-    """For the coordinator: a description once every client task feeding ``server`` has ended its work."""
-    feeding = task_ends.feeding(run, topology, server)
-    return feeding.describe() if feeding.all_ended else None
-
-
 def _saving_on_sigterm(handle_exit):
     """uvicorn's exit handler, saving first on SIGTERM (``preemption.on_term``): uvicorn installs it for
     SIGTERM and SIGINT while it serves."""
@@ -222,44 +211,9 @@ def is_server_process(environ: Mapping[str, str] = os.environ) -> bool:
     return int(environ.get("SLURM_PROCID", "0")) == 0
 
 
-def engine_settings(config: ServerConfig, placement: Placement) -> dict:
-    """The engine's settings from the server's fields: the ``vllm`` block unless the engine is transformers
-    (with ``engine: auto`` the engine picked drops what it lacks)."""
-    vllm = config.vllm
-    common = {"max_model_len": config.serving.max_model_len, "dtype": vllm.dtype}
-    if config.engine == "transformers":
-        return common
-    return {
-        **common,
-        "gpu_memory_utilization": vllm.gpu_memory_utilization,
-        "max_num_seqs": vllm.max_num_seqs,
-        "enable_prefix_caching": vllm.enable_prefix_caching,
-        "enforce_eager": vllm.enforce_eager,
-        "tensor_parallel_size": placement.tensor_parallel,
-        "enable_sleep_mode": placement.mode == "colocate",
-        "weight_transfer_backend": sync_backend(config, placement),
-    }
-
-
-def sync_backend(config: ServerConfig, placement: Placement) -> str | None:
-    """vLLM's weight-transfer backend for ``trainer.weight_sync: memory``: NCCL from the trainer's GPUs to
-    the engine's, CUDA IPC when they share the GPUs (colocate), our gloo backend on CPUs; None for disk."""
-    if config.trainer is None or config.trainer.weight_sync != "memory":
-        return None
-    return {"cpu": "ajet_gloo", "split": "nccl", "colocate": "ipc"}[placement.mode]
-
-
-def bind_engine_gpus(placement: Placement, environ: dict[str, str]) -> dict[str, str]:
-    """Show the engine (this process and the vLLM workers it spawns) only its GPUs; returns the job step's
-    environment as it was, for the trainer's ranks."""
-    step_env = dict(environ)
-    if placement.on_gpu:
-        visible = visible_devices(step_env, placement.gpus_per_node)
-        environ["CUDA_VISIBLE_DEVICES"] = select_devices(visible, placement.engine_gpus, "the engine")
-    return step_env
-
-
 def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
+    """Serve the server ``name`` of the run: bind, assemble (`assembly.assemble`), serve until training is
+    over or the job goes down, then tear down; the process's exit code."""
     setup_logging()
     run = RunDir.at(run_dir)
     topology = run.load_topology()
@@ -274,57 +228,14 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             job.node,
         )
         return 0
-    placement = server_placement(config)
-    for line in placement.describe():
-        log.info("placement: %s", line)
-    step_env = bind_engine_gpus(placement, os.environ)  # type: ignore[arg-type]
     sock = _bind(job.bind_host(), config.port)
     host, port = job.advertise_host(), sock.getsockname()[1]
     log.info(
         "server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port
     )
-
-    tls = config.serving  # TLS: the server speaks HTTPS and publishes an https URL (docs/security.md)
-    scheme = "https" if tls.tls_certfile else "http"
-    model_path = resolve_model(config.model, run.root / "models")
-    engine = create_engine(config.engine, model_path, **engine_settings(config, placement))
-    ctx = ServerContext(
-        name=config.name,
-        engine=engine,
-        settings=config.serving,
-        secret=run.read_secret(),
-        job_id=job.job_id,
-        public_url=f"{scheme}://{host}:{port}",
-    )
-    store = config.store  # group commit: episodes ending together share one fsync (docs/storage.md)
-    ctx.attach_recorder(EpisodeRecorder.from_config(run.data_dir / f"{config.name}.h5", store))
-    stored = stored_summaries(ctx.recorder.path)  # read once the writer holds the store's lease
-    restored = ctx.episodes.restore_ended(stored)
-    if restored:
-        log.info("%d episode keys ended before this start (from %s)", restored, ctx.recorder.path)
-    if config.trainer is not None:
-        mix = mix_of(topology, config.name)
-        coordinator = Coordinator(
-            ctx, config, model_path, run.root, on_slurm=job.on_slurm, mix=mix, placement=placement
-        )
-        coordinator.rank_env = step_env
-        coordinator.stored = stored
-        if len(topology.run.trackers) > 1:  # beyond metrics.jsonl
-            coordinator.trackers = Trackers(run.root, topology.run.name, config.name, topology.run.trackers)
-        coordinator.collector.repeats_of = repeats_feeding(topology, config.name)
-        coordinator.collector.ended_count = ctx.episodes.ended_count
-        coordinator.sources_ended = lambda: _sources_ended(run, topology, config.name)
-        ctx.attach_trainer(coordinator)
-    server = GracefulServer(
-        uvicorn.Config(
-            create_app(ctx, freeze_heap=True),
-            log_level="warning",
-            access_log=False,
-            ssl_certfile=tls.tls_certfile,
-            ssl_keyfile=tls.tls_keyfile,
-            timeout_keep_alive=math.ceil(config.serving.keep_alive_s),  # whole seconds for uvicorn
-        )
-    )
+    scheme = "https" if config.serving.tls_certfile else "http"  # TLS: docs/security.md
+    ctx = assemble(run, topology, config, Job(job, public_url=f"{scheme}://{host}:{port}"))
+    server = _uvicorn_server(ctx, config)
     record = rendezvous.Rendezvous(
         name=config.name,
         url=ctx.public_url,
@@ -335,14 +246,46 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         node=job.node,
         started_at=ctx.started_at,
     )
-    partners = co_trained(topology, config.name)
-    if partners:
-        ctx.partners_done = lambda: all(
-            (found := rendezvous.read(run.rendezvous_file(name))) is not None
-            and found.state in ("trained", "finished")
-            for name in partners
-        )
     heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
+    _stop_when_over(ctx, server, heartbeat)
+    heartbeat.start()
+    # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
+    cluster = topology.cluster
+    preemption.configure(
+        preemption.Budgets.of(cluster.signal_delay_s, cluster.kill_wait_s),
+        job.job_id if job.on_slurm else None,
+    )
+    unregister = preemption.on_signal(lambda budget_s: _save_on_signal(ctx, budget_s))
+    server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
+    watch = _watch_deadline(job, cluster.signal_delay_s, server, ctx)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if watch is not None:
+            watch.stop()
+        unregister()
+        heartbeat.stop()
+        _leave(ctx, run.rendezvous_file(config.name), heartbeat)
+        sock.close()
+    return EXIT_FAILED if ctx.failed else 0
+
+
+def _uvicorn_server(ctx: ServerContext, config: ServerConfig) -> GracefulServer:
+    tls = config.serving
+    return GracefulServer(
+        uvicorn.Config(
+            create_app(ctx, freeze_heap=True),
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=tls.tls_certfile,
+            ssl_keyfile=tls.tls_keyfile,
+            timeout_keep_alive=math.ceil(config.serving.keep_alive_s),  # whole seconds for uvicorn
+        )
+    )
+
+
+def _stop_when_over(ctx: ServerContext, server: uvicorn.Server, heartbeat: _Heartbeat) -> None:
+    """Once training is complete, or the server failed: say so in the rendezvous, then stop serving."""
 
     def on_finished() -> None:
         preemption.work_over("training is complete")
@@ -355,39 +298,34 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         _stop_when_idle(ctx, server, grace_s=5.0)
 
     ctx.on_finished, ctx.on_failed = on_finished, on_failed
-    heartbeat.start()
-    # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
-    cluster = topology.cluster
-    preemption.configure(
-        preemption.Budgets.of(cluster.signal_delay_s, cluster.kill_wait_s),
-        job.job_id if job.on_slurm else None,
+
+
+def _watch_deadline(
+    job: environment.JobEnvironment, signal_delay_s: float, server: uvicorn.Server, ctx: ServerContext
+) -> deadline.DeadlineWatch | None:
+    """On Slurm: save and stop ``signal_delay_s`` before the job's time limit, should Slurm's own signal
+    not come (``deadline``)."""
+    if not job.on_slurm:
+        return None
+    watch = deadline.DeadlineWatch(
+        signal_delay_s,
+        end_time=lambda: deadline.job_end_time(job.job_id),
+        fire=preemption.signal_deadline,
+        ready=lambda: server.started,
+        finished=lambda: ctx.training_done or ctx.failed or server.should_exit,  # done, or stopping
     )
-    unregister = preemption.on_signal(lambda budget_s: _save_on_signal(ctx, budget_s))
-    server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
-    watch = None
-    if job.on_slurm:
-        watch = deadline.DeadlineWatch(
-            cluster.signal_delay_s,
-            end_time=lambda: deadline.job_end_time(job.job_id),
-            fire=preemption.signal_deadline,
-            ready=lambda: server.started,
-            finished=lambda: ctx.training_done or ctx.failed or server.should_exit,  # done, or stopping
-        )
-        watch.start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if watch is not None:
-            watch.stop()
-        unregister()
-        heartbeat.stop()
-        if ctx.failed or ctx.training_done:  # left in place, state final: clients stop instead of waiting
-            heartbeat.final_beat()
-            if ctx.failed:
-                log.error("server %s failed: %s", config.name, ctx.reason)
-            else:
-                log.info("server %s finished its training (%s)", config.name, ctx.reason or "all steps")
-        elif rendezvous.withdraw(run.rendezvous_file(config.name), heartbeat.record):
-            log.info("rendezvous withdrawn; server %s stopped", config.name)
-        sock.close()
-    return EXIT_FAILED if ctx.failed else 0
+    watch.start()
+    return watch
+
+
+def _leave(ctx: ServerContext, rendezvous_file: Path, heartbeat: _Heartbeat) -> None:
+    """A server whose work is over leaves its rendezvous in place, state final (clients then stop instead
+    of waiting); a server stopped before that (the job going down, to be requeued) withdraws it."""
+    if ctx.failed or ctx.training_done:
+        heartbeat.final_beat()
+        if ctx.failed:
+            log.error("server %s failed: %s", ctx.name, ctx.reason)
+        else:
+            log.info("server %s finished its training (%s)", ctx.name, ctx.reason or "all steps")
+    elif rendezvous.withdraw(rendezvous_file, heartbeat.record):
+        log.info("rendezvous withdrawn; server %s stopped", ctx.name)

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +33,13 @@ from tqdm import tqdm
 from ajet_hpc.algo.detokenize import TokenText
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.algo.sample_tensors import Sample
-from ajet_hpc.config import ServerConfig, TrainerConfig
-from ajet_hpc.config.placement import Placement
-from ajet_hpc.config.topology import server_placement
+from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
-from ajet_hpc.trainer import metrics, weight_sync
+from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
 from ajet_hpc.trainer.episodes_to_samples import build_samples, gc_paused
+from ajet_hpc.trainer.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.journal import ConsumedJournal
 from ajet_hpc.trainer.rank_files import (
     RESUME_LIMIT_VAR,
@@ -56,7 +54,7 @@ from ajet_hpc.trainer.rank_files import (
 from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.trainer.sync_channel import SyncServer, announce_job_ending, clear
-from ajet_hpc.trainer.trackers import Trackers, step_histograms
+from ajet_hpc.trainer.trackers import step_histograms
 
 log = logging.getLogger(__name__)
 
@@ -69,32 +67,25 @@ class TrainingGaveUp(RuntimeError):
 
 
 class Coordinator:
-    def __init__(
-        self,
-        ctx,
-        server: ServerConfig,
-        model_path: Path,
-        run_root: Path,
-        on_slurm: bool,
-        mix: dict[str, float] | None = None,
-        placement: Placement | None = None,
-    ) -> None:
-        """``mix``: client group -> share of each batch's tasks (``ClientGroupConfig.ratio``), or None;
-        ``placement``: where the ranks run (default: the server's own, ``server_placement``)."""
-        if server.trainer is None:
-            raise ValueError(f"server {server.name} has no trainer")
-        self.ctx, self.server, self.config = ctx, server, server.trainer
-        self.model_path, self.on_slurm = model_path, on_slurm
-        self.work_dir = run_root / "ckpt" / server.name
-        self.metrics_path = run_root / "metrics.jsonl"
-        self.collector = BatchCollector(server.trainer, mix=mix)
+    """Trains one model for the server that hosts it (``host``: what it needs of the server, see
+    ``trainer.host``); everything else comes with ``setup``, once."""
+
+    def __init__(self, host: TrainerHost, setup: TrainerSetup) -> None:
+        self.host, self.setup = host, setup
+        self.server, self.config = setup.server, setup.trainer
+        self.model_path, self.on_slurm = setup.model_path, setup.on_slurm
+        self.work_dir = setup.run.trainer_dir(self.server.name)
+        self.metrics_path = setup.run.metrics_file
+        self.collector = BatchCollector(
+            self.config, mix=setup.mix, repeats_of=setup.repeats_of, ended_count=setup.ended_count
+        )
         self.journal = ConsumedJournal(self.work_dir / "consumed.jsonl")
-        self.stored: list[dict] | None = None  # the store's summaries read at the server's start, if any
-        self.trackers: Trackers | None = None  # run.trackers beyond metrics.jsonl (TensorBoard, W&B, MLflow)
+        self.stored = setup.stored  # the store's summaries read at the server's start, until restored
+        self.trackers = setup.trackers  # closed with the ranks (`close`)
+        self.sources_ended = setup.sources_ended
         self._restored = False
-        self.placement = placement or server_placement(server)
-        self.sync_backend = _sync_backend(ctx.engine, server.trainer)
-        self.rank_env: dict[str, str] | None = None  # the job step's environment (None: this process's)
+        self.placement = setup.placement
+        self.sync = setup.sync
         self.process: subprocess.Popen | None = None
         self._prestarted = False  # self.process was started by prestart, while the engine loaded
         self.channel: TrainerChannel | None = None
@@ -104,13 +95,14 @@ class Coordinator:
         self._ranks_idle_since = 0.0  # monotonic: the ranks' last result (or start): they wait from then
         self._recorded_step = 0  # the last step recorded (metrics row, store) since the ranks started
         self.stopping = False  # set by save_on_signal: no batch goes to the ranks any more
+        self.last_step_at: float | None = None  # when the last step was recorded (time.time())
 
     @property
     def trainer(self) -> TrainerConfig:
         return self.config
 
     async def run(self) -> None:
-        """Train to the end. On an error the server's watchdog decides (``ctx.engine_died``): a dead engine
+        """Train to the end. On an error the server's watchdog decides (``host.engine_died``): a dead engine
         checkpoints and requeues the job; anything else fails the server, which then stops (it never
         serves an untrained model to the end of its allocation)."""
         try:
@@ -118,15 +110,15 @@ class Coordinator:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            engine_dead = self.ctx.engine_failure()
+            engine_dead = self.host.engine_failure()
             if engine_dead is not None:
                 log.error("training step failed with the engine dead: %s", exc)
-                self.ctx.engine_died(engine_dead)  # checkpoints while the ranks still run
+                self.host.engine_died(engine_dead)  # checkpoints while the ranks still run
                 return
             log.exception("training stopped by an error")
             reason = str(exc) if isinstance(exc, TrainingGaveUp) else f"training stopped: {exc!r}"
             metrics.append_event(self.metrics_path, self.server.name, "failed", reason, at_step=self.step)
-            self.ctx.fail(reason)
+            self.host.fail(reason)
         finally:
             self.close()
 
@@ -176,7 +168,7 @@ class Coordinator:
                         continue  # nothing in the batch could be built: the next batch trains this step
                     failures = 0
                 except TrainerFailed as error:
-                    if self.ctx.engine_failure() is not None:
+                    if self.host.engine_failure() is not None:
                         raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
                     self._restarting(error, failures)
@@ -200,12 +192,7 @@ class Coordinator:
             if sync_server is not None:
                 sync_server.cancel()
         log.info("training of %s finished at step %d", self.server.name, self.step)
-        self.ctx.finish_training(ended)
-
-    last_step_at: float | None = None  # when the last step was recorded (time.time())
-    sources_ended: Callable[[], str | None] = staticmethod(lambda: None)
-    """Set by the server: a description once every client task feeding it has used up its tasks (or
-    failed for good), else None (``ajet_hpc.storage.task_ends``)."""
+        self.host.finish_training(ended)
 
     async def _next_batch(self, version: int | None = None) -> Batch | None:
         """The collector's next batch (``version``: the policy that will train it); None once no batch can
@@ -262,11 +249,11 @@ class Coordinator:
 
     def _start_sync_server(self) -> asyncio.Task | None:
         """With in-memory weight syncs: the task that answers the ranks' control calls (``sync_channel``)."""
-        if self.sync_backend is None:
+        receiver = self.setup.receiver
+        if not self.sync.in_memory or receiver is None:  # a setup in memory has one (`TrainerSetup`)
             return None
-        engine = self.ctx.engine
         server = SyncServer(
-            WorkDir(self.work_dir).sync, engine.weight_transfer, abandon=engine.abandon_weight_update
+            WorkDir(self.work_dir).sync, receiver.weight_transfer, abandon=receiver.abandon_weight_update
         )
         return asyncio.get_running_loop().create_task(server.serve(), name="weight-sync")
 
@@ -307,11 +294,8 @@ class Coordinator:
         return self.work_dir / "ranks.log"
 
     def _launch_ranks(self) -> subprocess.Popen:
-        env = dict(os.environ if self.rank_env is None else self.rank_env)
+        env = dict(os.environ if self.setup.rank_env is None else self.setup.rank_env)
         env[RESUME_LIMIT_VAR] = str(self._last_recorded())
-        if self.sync_backend is not None:
-            env[weight_sync.BACKEND_VAR] = self.sync_backend
-            env[weight_sync.WORKERS_VAR] = str(self.placement.tensor_parallel)
         return start_ranks(
             self.work_dir,
             self.model_path,
@@ -320,15 +304,16 @@ class Coordinator:
             placement=self.placement,
             log_path=self._ranks_log,
             env=env,
+            sync=self.sync,
         )
 
     async def _restore_collector(self) -> None:
         """Once per server process: the finished episodes of an earlier life that no step consumed go back
         into the collector (those too stale for the resumed policy are dropped and reported)."""
-        if self._restored or self.ctx.recorder is None:
+        if self._restored or self.host.recorder is None:
             return
         self._restored = True
-        path = self.ctx.recorder.path
+        path = self.host.recorder.path
         summaries = (
             self.stored if self.stored is not None else await asyncio.to_thread(stored_summaries, path)
         )
@@ -358,10 +343,10 @@ class Coordinator:
             log.info("resumed at step %d as the job ends: the engine gets no weights", self.step)
             return
         if ready.get("weights") == "memory":  # the ranks sent the checkpoint's weights while starting
-            if self.ctx.engine.policy_version != self.step:
+            if self.host.engine.policy_version != self.step:
                 raise TrainerFailed(
                     f"the ranks resumed at step {self.step} but the engine holds policy version "
-                    f"{self.ctx.engine.policy_version}"
+                    f"{self.host.engine.policy_version}"
                 )
         else:
             weights = ready.get("weights_dir")
@@ -369,7 +354,7 @@ class Coordinator:
                 raise TrainerFailed(
                     f"the ranks resumed at step {self.step} but exported no weights ({weights!r})"
                 )
-            await self.ctx.engine.load_weights(Path(weights), self.step)
+            await self.host.engine.load_weights(Path(weights), self.step)
         self.collector.set_policy_version(self.step)
         log.info(
             "resumed %s at step %d (weights to the engine in %.2fs)",
@@ -462,11 +447,11 @@ class Coordinator:
         started = max(prepared.taken, self._ranks_idle_since)  # the step begins once both are there
         on_policy = self.config.max_staleness == 0
         if on_policy:
-            self.ctx.admission.clear()  # strictly on-policy: no new episode while the weights change
+            self.host.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
             in_flight = self._in_flight = _InFlight(prepared, started)
             colocated = self.placement.mode == "colocate"
-            sleep_s = await self.ctx.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
+            sleep_s = await self.host.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
             trained_ids = list(dict.fromkeys(e.episode_id for e in batch.episodes))
             journal_at = time.monotonic()
             if not self.stopping:
@@ -485,18 +470,18 @@ class Coordinator:
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
                 return True
             trained = time.monotonic()
-            wake_s = await self.ctx.engine.wake_up() if colocated else 0.0
+            wake_s = await self.host.engine.wake_up() if colocated else 0.0
             if isinstance(result.weights, WithheldWeights):  # only while save_on_signal runs, not here
                 raise TrainerFailed(f"step {step}'s weights were withheld, yet the job is not ending")
             if isinstance(result.weights, MemoryWeights):  # sent before the result was written
                 sync_s = result.weights.send_s
-                pause_s = getattr(self.ctx.engine, "last_pause_s", 0.0)
+                pause_s = self.setup.receiver.last_pause_s if self.setup.receiver is not None else 0.0
             else:
-                await self.ctx.engine.load_weights(result.weights.folder, step)
+                await self.host.engine.load_weights(result.weights.folder, step)
                 sync_s = pause_s = time.monotonic() - trained
             engine_s = {"engine_pause_s": _round(pause_s), "engine_sleep_s": sleep_s, "engine_wake_s": wake_s}
         finally:
-            self.ctx.admission.set()
+            self.host.admission.set()
         self._in_flight = None
         self.step = step
         self.collector.set_policy_version(step)
@@ -549,7 +534,7 @@ class Coordinator:
     def _decode(self) -> TokenText:
         """The engine tokenizer's decode (special tokens kept, no cleanup) for text-level merging, with
         where it splits (``algo/detokenize.py``): built once, 0.8 s for Qwen's vocabulary."""
-        return TokenText(self.ctx.engine.tokenizer)
+        return TokenText(self.host.engine.tokenizer)
 
     def _record(
         self,
@@ -604,8 +589,8 @@ class Coordinator:
         self.last_step_at = row["time"]
         if self.trackers is not None:
             self.trackers.log(row, step_histograms(batch.episodes, samples))
-        if self.ctx.recorder is not None:
-            self.ctx.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
+        if self.host.recorder is not None:
+            self.host.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
             "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  samples %d→%d  step %.2fs  "
             "weight sync %.0f ms  coordinator %.2fs (%.2fs while the ranks waited)",
@@ -656,14 +641,6 @@ def _discard_batches(work: WorkDir) -> None:
     that never comes."""
     for step in work.pending_steps():
         work.batch_file(step).unlink(missing_ok=True)
-
-
-def _sync_backend(engine, trainer: TrainerConfig) -> str | None:
-    """The weight-transfer backend the engine was built with for in-memory syncs; None: reload from disk."""
-    backend = getattr(getattr(engine, "settings", None), "weight_transfer_backend", None)
-    if trainer.weight_sync == "memory" and backend is None:
-        log.info("weight_sync memory needs the vLLM engine; the %s engine reloads from disk", engine.name)
-    return backend if trainer.weight_sync == "memory" else None
 
 
 @dataclass

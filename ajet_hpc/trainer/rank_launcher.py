@@ -34,6 +34,7 @@ from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import slurm_hostnames
 from ajet_hpc.trainer.rank_files import WorkDir
+from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
 PARENT_HOST_VAR = "AJET_TRAINER_PARENT_HOST"
@@ -139,11 +140,13 @@ def start_ranks(
     placement: Placement,
     log_path: Path,
     env: Mapping[str, str] | None = None,
+    sync: SyncPlan = DISK,
 ) -> subprocess.Popen:
     """Start the ranks (in a new process group) with their output appended to ``log_path``; the caller
     watches the returned process (``poll()``) and ends it with ``terminate()``. Clears the ``stop`` and
     ``ready.json`` files of an earlier run first. ``env``: the environment of the server's job step
-    (default ``os.environ``), before the engine narrowed its own ``CUDA_VISIBLE_DEVICES``."""
+    (default ``os.environ``), before the engine narrowed its own ``CUDA_VISIBLE_DEVICES``; ``sync``: how
+    the ranks hand their weights to the engine (the server's `sync_plan.decide`)."""
     work = WorkDir(Path(work_dir).absolute())
     work.root.mkdir(parents=True, exist_ok=True)
     for stale in (work.stop, work.save_request, work.save_refused):  # left by the previous job
@@ -162,6 +165,9 @@ def start_ranks(
     environment = rank_environment(
         base, on_gpu=placement.on_gpu, nodes=len(ranks_per_node), rank_gpus=placement.rank_gpus_json()
     )
+    for var in (BACKEND_VAR, WORKERS_VAR):  # the plan alone says how weights travel, not the job's env
+        environment.pop(var, None)
+    environment.update(sync.rank_env())
     if len(ranks_per_node) > 1:
         nodelist = base.get("SLURM_JOB_NODELIST") or base.get("SLURM_NODELIST") or ""
         hosts = hostfile_lines(slurm_hostnames(nodelist), ranks_per_node)

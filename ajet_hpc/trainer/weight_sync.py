@@ -1,8 +1,8 @@
 """The ranks' side of ``trainer.weight_sync: memory``: send the trained weights straight into the engine.
 
-The server tells the ranks which of vLLM's transfer backends to use (``AJET_WEIGHT_SYNC``: ``nccl`` between
-GPUs, ``ipc`` when colocated on the same GPUs, ``ajet_gloo`` on CPUs) and how many engine workers receive
-(``AJET_ENGINE_WORKERS``). Every rank builds the sender; rank 0 sends, the others only take part in the
+The server decides which of vLLM's transfer backends the ranks use and how many engine workers receive
+(`sync_plan.SyncPlan`: ``nccl`` between GPUs, ``ipc`` when colocated on the same GPUs, ``ajet_gloo`` on
+CPUs). Every rank builds the sender; rank 0 sends, the others only take part in the
 gathers. vLLM's trainer engine for the backend does the handshake and the transfer; its control calls go to
 the server through ``sync_channel``.
 
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
+from ajet_hpc.config import TrainerConfig
+from ajet_hpc.trainer.sync_plan import SyncPlan
+
 log = logging.getLogger(__name__)
 
-BACKEND_VAR = "AJET_WEIGHT_SYNC"
-WORKERS_VAR = "AJET_ENGINE_WORKERS"
 RENDEZVOUS = ("nccl", "ajet_gloo")
 """Backends whose engine receives inside ``update_weights`` while rank 0 sends, in the same collectives:
 rank 0 sends only once the server took that call (`sync_channel.Expected`). IPC hands the engine buffers
@@ -106,14 +107,24 @@ class SyncStats:
 class WeightSender:
     """Builds vLLM's trainer-side transfer engine for the backend the server chose and sends each step."""
 
-    def __init__(self, module: torch.nn.Module, zero3: bool, config, folder: Path, rank: int) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        zero3: bool,
+        config: TrainerConfig,
+        folder: Path,
+        rank: int,
+        plan: SyncPlan,
+    ) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from ajet_hpc.engine.weight_transfer import register
         from ajet_hpc.trainer.sync_channel import FileSyncClient
 
         register()
-        self.backend = os.environ[BACKEND_VAR]
+        if plan.backend is None:
+            raise ValueError("a weight sender needs an in-memory sync plan; a disk plan exports the weights")
+        self.backend, self.workers = plan.backend, plan.engine_workers
         self.rank = rank
         self.source = zero_source(module, zero3)
         self.bytes = sum(
@@ -133,10 +144,10 @@ class WeightSender:
             self.bytes / 1e6,
         )
 
-    def _init_info(self, config, rank: int):
+    def _init_info(self, config: TrainerConfig, rank: int):
         from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, free_port
 
-        workers = int(os.environ.get(WORKERS_VAR, "1"))
+        workers = self.workers
         bucket = config.weight_sync_bucket_mb * 2**20
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -195,8 +206,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def wanted() -> bool:
-    """Whether the server asked this trainer for in-memory syncs."""
-    return bool(os.environ.get(BACKEND_VAR))

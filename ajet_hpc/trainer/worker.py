@@ -49,6 +49,7 @@ from ajet_hpc.trainer.rank_files import (
 from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.step import train_step
 from ajet_hpc.trainer.sync_channel import ENGINE_UP, wait_for_engine
+from ajet_hpc.trainer.sync_plan import SyncPlan
 
 POLL_S = 0.1
 """Seconds between two looks at the inbox (each a small broadcast from rank 0)."""
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_rank_logging(env.rank)
     offline_hub()
     config = TrainerConfig.model_validate_json(args.config)
-    return Rank(env, args.work_dir, args.model, config).run()
+    return Rank(env, args.work_dir, args.model, config, SyncPlan.from_env(os.environ)).run()
 
 
 def _recorded_step(environ: Mapping[str, str]) -> int | None:
@@ -136,8 +137,11 @@ def _exit_if_asked(stop_file: Path) -> None:
 class Rank:
     """The life of one rank (see the module doc)."""
 
-    def __init__(self, env: RankEnv, work_dir: Path, model_dir: Path, config: TrainerConfig) -> None:
+    def __init__(
+        self, env: RankEnv, work_dir: Path, model_dir: Path, config: TrainerConfig, sync: SyncPlan
+    ) -> None:
         self.env = env
+        self.sync = sync  # the server's decision (`sync_plan`), carried in the environment
         self.work = WorkDir(Path(work_dir), export_root=export_root(Path(work_dir)))
         self.model_dir = Path(model_dir)
         self.config = config
@@ -288,8 +292,8 @@ class Rank:
             self.work.save_request.unlink(missing_ok=True)
 
     def _open_sender(self) -> weight_sync.WeightSender | None:
-        """The in-memory sender when the server asked for one (``AJET_WEIGHT_SYNC``), else None (disk)."""
-        if not weight_sync.wanted():
+        """The in-memory sender when the server's plan says so (`SyncPlan.in_memory`), else None (disk)."""
+        if self.sync.backend is None:
             return None
         if not (self.work.sync / ENGINE_UP).exists():
             log.info("waiting for the server's engine to serve before opening the weight transfer")
@@ -297,7 +301,7 @@ class Rank:
             raise RuntimeError("the server went away while its engine was starting")
         zero3 = self.config.zero_stage == 3
         return weight_sync.WeightSender(
-            self.models.engine.module, zero3, self.config, self.work.sync, self.env.rank
+            self.models.engine.module, zero3, self.config, self.work.sync, self.env.rank, self.sync
         )
 
     def _publish(self, step: int) -> WeightHandoff:

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from coordinator_support import REPEATS, coordinator_for, finished
 
+from ajet_hpc import fault_injection
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.rank_files import WorkDir, read_trainer_state
-from ajet_hpc.trainer.zero import TEST_EXIT_AFTER_COMMIT
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,10 @@ async def train(
     engine = create_engine("transformers", tiny_model, max_model_len=1024)
     await engine.start()
     try:
-        coordinator = coordinator_for(tmp_path, engine, save_every=1, max_staleness=3, **trainer)
-        if exit_after is not None:
-            coordinator.rank_env = {**os.environ, TEST_EXIT_AFTER_COMMIT: str(exit_after)}
+        rank_env = (
+            None if exit_after is None else {**os.environ, fault_injection.EXIT_AFTER_COMMIT: str(exit_after)}
+        )
+        coordinator = coordinator_for(tmp_path, engine, rank_env, save_every=1, max_staleness=3, **trainer)
         for task in tasks:
             for repeat in range(REPEATS):
                 coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
@@ -69,6 +70,7 @@ def test_a_step_saved_but_not_recorded_is_trained_once_after_a_rank_restart(
     # each task's episodes trained in one step, and step 2 is t1's (not t1's again as step 3)
     assert trained_steps(work) == {"t0-r0": 1, "t0-r1": 1, "t1-r0": 2, "t1-r1": 2, "t2-r0": 3, "t2-r1": 3}
     state = read_trainer_state(WorkDir(work))
+    assert state is not None and state.previous is not None
     assert state.step == 3 and state.previous.step == 2
 
 
@@ -81,7 +83,8 @@ def test_the_next_job_goes_back_from_a_checkpoint_its_metrics_never_recorded(
     run, work = tmp_path / "run", tmp_path / "run" / "ckpt" / "policy"
     (failed,) = metrics.read_events(run / "metrics.jsonl", "policy")
     assert failed["event"] == "failed" and "trainer.max_restarts=0" in failed["reason"]
-    assert metrics.read_rows(run / "metrics.jsonl") == [] and read_trainer_state(WorkDir(work)).step == 1
+    state = read_trainer_state(WorkDir(work))
+    assert metrics.read_rows(run / "metrics.jsonl") == [] and state is not None and state.step == 1
 
     asyncio.run(train(tmp_path, tiny_model, ["t0", "t1"], exit_after=None, total_steps=2))
     assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2]

@@ -15,6 +15,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -22,14 +23,14 @@ from coordinator_support import REPEATS, coordinator_for, finished
 from support import tied_copy
 from transformers import AutoModelForCausalLM
 
+from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
-from ajet_hpc.engine.weight_transfer import STALL_VAR
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer import metrics, weight_sync
+from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.rank_files import (
     DiskWeights,
     MemoryWeights,
@@ -40,6 +41,7 @@ from ajet_hpc.trainer.rank_files import (
 )
 from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.sync_plan import DISK, SyncPlan
 
 pytestmark = pytest.mark.slow
 
@@ -95,16 +97,17 @@ def batches(model: Path) -> list[list[Sample]]:
 
 async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: bool) -> list[dict]:
     """STEPS steps; after each, the engine's greedy answer and logprobs (and the step's result)."""
-    env = dict(os.environ)
+    sync = SyncPlan("ajet_gloo", 1) if memory else DISK
     server = None
     if memory:
-        env[weight_sync.BACKEND_VAR], env[weight_sync.WORKERS_VAR] = "ajet_gloo", "1"
         clear(WorkDir(work).sync)
         server = asyncio.get_running_loop().create_task(
             SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
         )
     log = work / "ranks.log"
-    proc = start_ranks(work, model, config, on_slurm=False, placement=cpu_placement(2), log_path=log, env=env)
+    proc = start_ranks(
+        work, model, config, on_slurm=False, placement=cpu_placement(2), log_path=log, sync=sync
+    )
     channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Which weights?"}], add_generation_prompt=True, return_dict=False
@@ -116,11 +119,14 @@ async def train(engine, model: Path, work: Path, config: TrainerConfig, memory: 
             channel.submit(step, samples)
             result = await channel.wait_result(step, timeout_s=300)
             if not memory:
+                assert isinstance(result.weights, DiskWeights), result.weights
                 await engine.load_weights(result.weights.folder, step)
             assert engine.policy_version == step
             out = await generate_all(engine, prompt, GREEDY, f"{work.name}-{step}")
             # the disk pass also scores the answer with a transformers forward of the step's weights
-            reference = None if memory else score(result.weights.folder, prompt, out.token_ids)
+            reference = None
+            if isinstance(result.weights, DiskWeights):  # the disk pass
+                reference = score(result.weights.folder, prompt, out.token_ids)
             seen.append(
                 {"result": result, "tokens": out.token_ids, "logprobs": out.logprobs, "ref": reference}
             )
@@ -141,7 +147,7 @@ def test_memory_sync_gives_the_engine_what_a_disk_reload_gives_untied_zero2(
     memory_equals_disk(loop, engine, model, 2, tmp_path)
 
 
-def memory_equals_disk(loop, engine, model: Path, stage: int, tmp_path: Path) -> None:
+def memory_equals_disk(loop, engine, model: Path, stage: Literal[1, 2, 3], tmp_path: Path) -> None:
     """STEPS steps sent in memory, then the same from disk: the engine answers the same each step."""
     config = TrainerConfig(zero_stage=stage, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1)
     memory = loop.run_until_complete(train(engine, model, tmp_path / "memory", config, memory=True))
@@ -191,7 +197,7 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
         weight_sync_timeout_s=timeout_s,
     )
     work = tmp_path / "killed"
-    env = {**os.environ, weight_sync.BACKEND_VAR: "ajet_gloo", weight_sync.WORKERS_VAR: "1", STALL_VAR: "1"}
+    env = {**os.environ, fault_injection.SYNC_STALL_BUCKET: "1"}
 
     async def scenario() -> tuple[str, float, float]:
         clear(WorkDir(work).sync)
@@ -200,7 +206,14 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
         )
         log = work / "ranks.log"
         proc = start_ranks(
-            work, model, config, on_slurm=False, placement=cpu_placement(2), log_path=log, env=env
+            work,
+            model,
+            config,
+            on_slurm=False,
+            placement=cpu_placement(2),
+            log_path=log,
+            env=env,
+            sync=SyncPlan("ajet_gloo", 1),
         )
         channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
         try:
@@ -265,7 +278,7 @@ def test_a_signal_during_a_sync_saves_the_step_without_waiting_for_the_blocked_l
         weight_sync_timeout_s=300,  # the deadlock this test guards against would wait out the budget
         micro_batch_tokens=64,
     )
-    assert coordinator.sync_backend == "ajet_gloo"
+    assert coordinator.sync == SyncPlan("ajet_gloo", 1)
     real, answer = engine.weight_transfer, SyncServer._answer
     saved: dict[str, float | int | None] = {}
 
@@ -316,7 +329,8 @@ def test_a_signal_during_a_sync_saves_the_step_without_waiting_for_the_blocked_l
         if coordinator.process is not None and coordinator.process.poll() is None:
             kill_tree(coordinator.process.pid)
     assert saved["step"] == 2
-    assert saved["seconds"] < budget_s / 2, saved
+    seconds = saved["seconds"]
+    assert seconds is not None and seconds < budget_s / 2, saved
     rows = metrics.read_rows(tmp_path / "run" / "metrics.jsonl")
     assert [(row["step"], row["weight_sync"]) for row in rows] == [(1, "memory"), (2, "withheld")]
     state = read_trainer_state(WorkDir(coordinator.work_dir))

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 from pathlib import Path
+from typing import cast
 
 import httpx
 import openai
@@ -16,13 +17,19 @@ from server_harness import Harness
 from support import topology_dict
 
 from ajet_hpc.config import TrainerConfig, load_topology
+from ajet_hpc.config.topology import server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking import ContextTracker
+from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.trainer.collector import Batch, BatchCollector
 from ajet_hpc.trainer.coordinator import Coordinator
 from ajet_hpc.trainer.episodes_to_samples import build_samples
+from ajet_hpc.trainer.host import TrainerSetup
+from ajet_hpc.trainer.rank_files import TrainerChannel
+from ajet_hpc.trainer.sync_plan import DISK
 
 LIMIT = 10.0
 
@@ -99,7 +106,7 @@ def test_a_batch_drops_the_episodes_at_fault_reports_them_and_trains_the_rest(ca
     bad_reward = finished("t0", "nan-reward", math.nan)
     bad_turns = finished("t1", "short-turns", 1.0, turn_rewards=[0.5, 0.5])  # two values for one call
     other = finished("t1", "b0", 0.0)
-    alone = [finished("t2", "c0", math.inf), finished("t2", "c1", -math.inf)]
+    alone: list[EpisodeData] = [finished("t2", "c0", math.inf), finished("t2", "c1", -math.inf)]
     batch = Batch(groups=[[*good[:2], bad_reward, good[2]], [bad_turns, other], alone], dropped_ids=["x"])
     with caplog.at_level(logging.WARNING):
         samples, stats = build_samples(batch, TrainerConfig(tasks_per_batch=3, repeats=2))
@@ -135,9 +142,18 @@ def test_the_coordinator_skips_a_batch_it_cannot_build_and_reports_it_with_the_n
     data = topology_dict(tmp_path / "run")
     data["servers"][0]["trainer"] = {"total_steps": 2, "tasks_per_batch": 1, "repeats": 2}
     config = load_topology(data).servers[0]
-    coordinator = Coordinator(server.ctx, config, Path("unused"), tmp_path / "run", on_slurm=False)
+    setup = TrainerSetup(
+        server=config,
+        model_path=Path("unused"),
+        run=RunDir(tmp_path / "run"),
+        on_slurm=False,
+        placement=server_placement(config),
+        sync=DISK,
+    )
+    coordinator = Coordinator(server.ctx, setup)
     batch = Batch(groups=[[finished("t0", "n0", math.nan), finished("t0", "n1", 1.0, turn_rewards=[1, 2])]])
-    trained = asyncio.run(coordinator._train_step(channel=None, batch=batch))  # no ranks: none is needed
+    no_ranks = cast(TrainerChannel, None)  # a batch that builds nothing never reaches the ranks
+    trained = asyncio.run(coordinator._train_step(channel=no_ranks, batch=batch))
     assert trained is False and coordinator.step == 0  # no step, no error: the coordinator goes on
     assert not (tmp_path / "run" / "ckpt" / "policy" / "consumed.jsonl").exists()
     coordinator.collector.add(finished("t1", "d0", 0.0))

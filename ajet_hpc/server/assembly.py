@@ -1,0 +1,143 @@
+"""Assembling a server process before it serves: from its topology entry to an engine, a `ServerContext`
+with its episode store, and its trainer (a `Coordinator` with a `TrainerSetup`), all decided here once.
+
+``server.process.serve`` binds the port, calls `assemble`, then runs and tears down; nothing is set on the
+context or the coordinator after this returns except the server's lifecycle callbacks (``on_finished``,
+``on_failed``). The weight-sync decision (`sync_plan.decide`) is taken here, from the trainer config, the
+placement and the engine kind, and goes to the engine's settings and to the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.config.placement import Placement, select_devices, visible_devices
+from ajet_hpc.config.topology import co_trained, mix_of, repeats_feeding, server_placement
+from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.engine.select import create_engine, resolve_kind
+from ajet_hpc.engine.vllm_engine import VllmEngine
+from ajet_hpc.server.app import ServerContext
+from ajet_hpc.server.recorder import EpisodeRecorder
+from ajet_hpc.slurm.environment import JobEnvironment
+from ajet_hpc.storage import rendezvous, task_ends
+from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.host import TrainerSetup
+from ajet_hpc.trainer.recovery import stored_summaries
+from ajet_hpc.trainer.sync_plan import SyncPlan, decide
+from ajet_hpc.trainer.trackers import Trackers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where this server process runs: its job, and the URL agents reach it at."""
+
+    environment: JobEnvironment
+    public_url: str
+
+
+def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) -> ServerContext:
+    """The server's context, its engine built (not started), its store open and its trainer attached.
+
+    Shows the engine only its GPUs (this process's ``CUDA_VISIBLE_DEVICES``) and keeps the job step's
+    environment as it was for the trainer's ranks."""
+    placement = server_placement(config)
+    for line in placement.describe():
+        log.info("placement: %s", line)
+    step_env = bind_engine_gpus(placement, os.environ)
+    kind = resolve_kind(config.engine)
+    sync = decide(config.trainer, placement, kind)
+    model_path = resolve_model(config.model, run.models_dir)
+    engine = create_engine(kind, model_path, **engine_settings(config, placement, kind, sync))
+    ctx = ServerContext(
+        name=config.name,
+        engine=engine,
+        settings=config.serving,
+        secret=run.read_secret(),
+        job_id=job.environment.job_id,
+        public_url=job.public_url,
+    )
+    # group commit: episodes ending together share one fsync (docs/storage.md)
+    recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
+    ctx.attach_recorder(recorder)
+    stored = stored_summaries(recorder.path)  # read once the writer holds the store's lease
+    restored = ctx.episodes.restore_ended(stored)
+    if restored:
+        log.info("%d episode keys ended before this start (from %s)", restored, recorder.path)
+    if config.trainer is not None:
+        setup = TrainerSetup(
+            server=config,
+            model_path=model_path,
+            run=run,
+            on_slurm=job.environment.on_slurm,
+            placement=placement,
+            sync=sync,
+            receiver=engine if sync.in_memory and isinstance(engine, VllmEngine) else None,
+            mix=mix_of(topology, config.name),
+            repeats_of=repeats_feeding(topology, config.name),
+            ended_count=ctx.episodes.ended_count,
+            sources_ended=lambda: sources_ended(run, topology, config.name),
+            rank_env=step_env,
+            stored=stored,
+            trackers=trackers_of(run, topology, config.name),
+        )
+        ctx.attach_trainer(Coordinator(ctx, setup))
+    partners = co_trained(topology, config.name)
+    if partners:
+        ctx.partners_done = lambda: all(
+            (found := rendezvous.read(run.rendezvous_file(name))) is not None
+            and found.state in ("trained", "finished")
+            for name in partners
+        )
+    return ctx
+
+
+def engine_settings(
+    config: ServerConfig, placement: Placement, kind: Literal["vllm", "transformers"], sync: SyncPlan
+) -> dict[str, Any]:
+    """The engine's settings from the server's fields: the ``vllm`` block unless the engine is
+    transformers; the vLLM engine is built with the transfer backend of the sync plan."""
+    vllm = config.vllm
+    common: dict[str, Any] = {"max_model_len": config.serving.max_model_len, "dtype": vllm.dtype}
+    if kind == "transformers":
+        return common
+    return {
+        **common,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "max_num_seqs": vllm.max_num_seqs,
+        "enable_prefix_caching": vllm.enable_prefix_caching,
+        "enforce_eager": vllm.enforce_eager,
+        "tensor_parallel_size": placement.tensor_parallel,
+        "enable_sleep_mode": placement.mode == "colocate",
+        "weight_transfer_backend": sync.backend,
+    }
+
+
+def bind_engine_gpus(placement: Placement, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Show the engine (this process and the vLLM workers it spawns) only its GPUs; returns the job step's
+    environment as it was, for the trainer's ranks."""
+    step_env = dict(environ)
+    if placement.on_gpu:
+        visible = visible_devices(step_env, placement.gpus_per_node)
+        environ["CUDA_VISIBLE_DEVICES"] = select_devices(visible, placement.engine_gpus, "the engine")
+    return step_env
+
+
+def sources_ended(run: RunDir, topology: Topology, server: str) -> str | None:
+    """For the coordinator: a description once every client task feeding ``server`` has ended its work."""
+    feeding = task_ends.feeding(run, topology, server)
+    return feeding.describe() if feeding.all_ended else None
+
+
+def trackers_of(run: RunDir, topology: Topology, server: str) -> Trackers | None:
+    """The trackers beyond metrics.jsonl (``run.trackers``), None when metrics.jsonl is the only one."""
+    if len(topology.run.trackers) <= 1:
+        return None
+    return Trackers(run.root, topology.run.name, server, topology.run.trackers)
