@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ajet_hpc import fault_injection
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
@@ -426,13 +427,9 @@ class GroupTask:
             log.info("abort of %s not delivered: %s", episode_id, exc)
 
 
-TEST_EXIT_AFTER_END = "AJET_TEST_EXIT_AFTER_END"
-"""Test hook (chaos tests only): ``N``: the task exits like a kill -9 right after its N-th episode ended at
-the servers and before its own commit, once per run directory (a real kill cannot be timed there)."""
-
-
 def _test_exit_after_end(task: GroupTask) -> None:
-    wanted = os.environ.get(TEST_EXIT_AFTER_END)
+    """The hook `fault_injection.EXIT_AFTER_END` (chaos tests only)."""
+    wanted = fault_injection.armed(fault_injection.EXIT_AFTER_END)
     if not wanted:
         return
     with task.tally.lock:
@@ -441,7 +438,7 @@ def _test_exit_after_end(task: GroupTask) -> None:
     marker = task.rundir.root / f".test-exit-after-end-{task.group.name}-{task.index}"
     if count == int(wanted) and not marker.exists():
         marker.touch()
-        log.warning("test hook %s: exiting between end and commit", TEST_EXIT_AFTER_END)
+        log.warning("test hook %s: exiting between end and commit", fault_injection.EXIT_AFTER_END)
         logging.shutdown()
         os._exit(137)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -34,13 +33,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ajet_hpc import fault_injection
 from ajet_hpc.engine.vllm_signals import shield_from_job_signals
 
 log = logging.getLogger(__name__)
 
 BACKEND = "ajet_gloo"
-STALL_VAR = "AJET_TEST_SYNC_STALL_BUCKET"
-"""Tests only: the sender stops before this bucket, so a test can kill it midway through a transfer."""
 
 
 @dataclass
@@ -304,11 +302,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         plan = buckets(names, [tuple(m.shape) for m in meta], [m.dtype for m in meta], self.bucket_bytes)
         if [p.index for bucket in plan for p in bucket] != list(range(len(meta))):
             raise ValueError("the weight source's metadata is not in decoder-layer order (layerwise_groups)")
-        stall = int(os.environ.get(STALL_VAR, "-1"))
+        stall = int(fault_injection.armed(fault_injection.SYNC_STALL_BUCKET) or "-1")  # tests only
         pending = None
         for k, bucket in enumerate(plan):
             if k == stall:  # tests: a sender that stops midway (killed while it waits here)
-                log.warning("%s=%d: stalling before bucket %d", STALL_VAR, stall, k)
+                log.warning("%s=%d: stalling before bucket %d", fault_injection.SYNC_STALL_BUCKET, stall, k)
                 time.sleep(3600)
             buffer = self.buffers.get(k % 2, bucket_size(bucket))  # free: the bucket before the last is sent
             for p in bucket:

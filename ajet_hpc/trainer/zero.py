@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
@@ -213,18 +214,16 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     dist.barrier()
 
 
-TEST_EXIT_AFTER_COMMIT = "AJET_TEST_EXIT_AFTER_COMMIT"
-"""Test hook (tests only): ``N``: rank 0 exits like a kill -9 right after naming step N's checkpoint trusted,
-before the step's result is written, once per work dir (a real kill cannot be timed there)."""
-
-
 def _test_exit_after_commit(work: WorkDir, step: int) -> None:
-    if os.environ.get(TEST_EXIT_AFTER_COMMIT) != str(step):
+    """The hook `fault_injection.EXIT_AFTER_COMMIT` (tests only)."""
+    if fault_injection.armed(fault_injection.EXIT_AFTER_COMMIT) != str(step):
         return
     marker = work.root / f".test-exit-after-commit-{step}"
     if not marker.exists():
         marker.touch()
-        log.warning("test hook %s: exiting after the commit of step %d", TEST_EXIT_AFTER_COMMIT, step)
+        log.warning(
+            "test hook %s: exiting after the commit of step %d", fault_injection.EXIT_AFTER_COMMIT, step
+        )
         logging.shutdown()
         os._exit(137)
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 from support import REPO, jobs_ended, recorded_steps, topology_dict, wait_until, write_topology
 
-from ajet_hpc.client.runner import TEST_EXIT_AFTER_END
+from ajet_hpc import fault_injection
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import ClientStore
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
@@ -82,7 +82,7 @@ def test_exactly_once_through_client_crashes_and_requeues(tmp_path: Path) -> Non
         "max_staleness": 2,
     }
     data["clients"][0].update(max_tasks=None, repeats=None, in_flight=2, time="30:00")
-    env = {**os.environ, TEST_EXIT_AFTER_END: "3"}
+    env = {**os.environ, fault_injection.EXIT_AFTER_END: "3"}
     done = subprocess.run(
         [sys.executable, "-m", "ajet_hpc.launch", str(write_topology(tmp_path, data))],
         cwd=REPO,
