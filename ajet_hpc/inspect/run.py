@@ -14,14 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ajet_hpc.config import ConfigError, Topology
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 from ajet_hpc.trainer.metrics import read_rows
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 class InspectError(Exception):
@@ -58,6 +56,7 @@ class Run:
 
     def __init__(self, root: Path, topology: Topology) -> None:
         self.root, self.topology = root, topology
+        self.rundir = RunDir(root)
         self._models: dict[str, ModelRun] = {}
 
     @classmethod
@@ -77,7 +76,7 @@ class Run:
 
     @property
     def data_dir(self) -> Path:
-        return self.root / "data"
+        return self.rundir.data_dir
 
     def model_names(self) -> list[str]:
         """Servers of the topology, in order, then stores of other names found under ``RUN/data``."""
@@ -99,20 +98,20 @@ class Run:
             what = f"model {name!r}" if name is not None else f"run {self.name!r}"
             raise InspectError(
                 f"{what} has nothing recorded yet: no store under {self.data_dir} and no rows in "
-                f"{self.root / METRICS_FILE}"
+                f"{self.rundir.metrics_file}"
             )
         return models
 
     def _model(self, name: str) -> ModelRun:
         model = self._models.get(name)
         if model is None:
-            model = ModelRun(name, self.data_dir / f"{name}.h5")
+            model = ModelRun(name, self.rundir.server_store(name))
             self._models[name] = model
             self._load(model)
         return model
 
     def _load(self, model: ModelRun) -> None:
-        model.metrics = [row for row in read_rows(self.root / METRICS_FILE) if row.get("model") == model.name]
+        model.metrics = [row for row in read_rows(self.rundir.metrics_file) if row.get("model") == model.name]
         if model.reader is not None:
             model.reader.refresh()
         elif model.store_path.is_file():
@@ -170,7 +169,7 @@ def load_tokenizer(run: Run, model: str):
         return None
     path = Path(spec).expanduser()
     if spec.startswith("builtin:"):
-        path = run.root / "models" / spec.removeprefix("builtin:")
+        path = run.rundir.models_dir / spec.removeprefix("builtin:")
     try:
         if path.is_dir():
             from transformers import AutoTokenizer

@@ -28,7 +28,7 @@ def supervise(run: RunDir, backend: Backend, submitted: list[SubmittedJob], poll
     clients = [h for job in submitted if job.name.startswith("clients-") for h in handles.get(job.name, [])]
     print(f"supervising {len(servers)} server(s) and {len(clients)} client task(s); Ctrl-C stops the run")
     reported = -1
-    progress = MetricsTail(run.root / "metrics.jsonl")
+    progress = MetricsTail(run.metrics_file)
     try:
         while True:
             for row in progress.new_rows():
@@ -50,7 +50,7 @@ def supervise(run: RunDir, backend: Backend, submitted: list[SubmittedJob], poll
     if failed:
         print(f"some jobs failed ({', '.join(failed)}); see python -m ajet_hpc.logs {run.root}")
         return 1
-    table = reward_table(read_rows(run.root / "metrics.jsonl"))
+    table = reward_table(read_rows(run.metrics_file))
     if table:
         print(table)
     print(f"run finished; everything is in {run.root}")

@@ -404,7 +404,7 @@ def server_positions(run: RunDir, topology: Topology) -> dict[str, dict[str, Any
     """Per server: the last training step in metrics.jsonl and the policy version it serves now (asked
     from the server when it answers, else its rendezvous file, else the metrics row)."""
     last: dict[str, dict[str, Any]] = {}
-    for row in read_rows(run.root / "metrics.jsonl"):
+    for row in read_rows(run.metrics_file):
         last[row.get("model", "")] = row
     secret = run.read_secret()
     positions = {}

@@ -101,6 +101,24 @@ class RunDir:
     def ckpt_dir(self) -> Path:
         return self.root / "ckpt"
 
+    def trainer_dir(self, server: str) -> Path:
+        """A server's trainer work folder: its ranks' file protocol, checkpoints and consumed journal."""
+        return self.ckpt_dir / server
+
+    def server_store(self, server: str) -> Path:
+        """A server's episode store (``data/<server>.h5``)."""
+        return self.data_dir / f"{server}.h5"
+
+    @property
+    def metrics_file(self) -> Path:
+        """One JSON row per trained step and event, of every trained server (``trainer.metrics``)."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def models_dir(self) -> Path:
+        """Where models named by the topology are built or linked (``engine.model_path``)."""
+        return self.root / "models"
+
     def rendezvous_file(self, server: str) -> Path:
         return self.servers_dir / f"{server}.json"
 

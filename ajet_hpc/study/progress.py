@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.metrics import read_rows
 
 
 def step_rows(run_dir: Path) -> list[dict[str, Any]]:
     """One row per step (a step trained again after a relaunch keeps its last row), in step order."""
     by_step: dict[int, dict[str, Any]] = {}
-    for row in read_rows(run_dir / "metrics.jsonl"):
+    for row in read_rows(RunDir(run_dir).metrics_file):
         if isinstance(row.get("step"), int):
             by_step[row["step"]] = row
     return [by_step[step] for step in sorted(by_step)]
@@ -51,7 +52,7 @@ def server_end(run_dir: Path, servers: list[str]) -> ServerEnd:
     failed, done = None, 0
     for name in servers:
         try:
-            record = rendezvous.read(run_dir / "servers" / f"{name}.json")
+            record = rendezvous.read(RunDir(run_dir).rendezvous_file(name))
         except ValueError:
             continue
         if record is None:

@@ -201,7 +201,7 @@ class Supervisor:
     def launch(self, number: int, book: dict[str, Any], resume: bool = False) -> bool:
         """Launch (or resume) the trial's run with our launcher, detached; its output to NNNN.log."""
         run_dir = self.study_dir.run_dir(number)
-        if resume or (run_dir / "topology.yaml").exists():
+        if resume or RunDir(run_dir).exists():
             args = [str(run_dir)]
         else:
             name = f"{self.spec.name}-{number:04d}"
