@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from ajet_hpc.engine.select import create_engine
 from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.collector import BatchCollector
 from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.rank_files import StepResult, TrainerChannel
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +42,31 @@ async def stop_when(coordinator: Coordinator, ready, timeout_s: float = 600) -> 
 
 
 def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_sent(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """max_staleness 2: batches 2 and 3 are built while steps 1 and 2 train. The job is told to stop while
     step 2 trains: step 2 is waited for, recorded and checkpointed; batch 3, built already, never went to the
-    ranks, so the journal does not name its episodes (a restarted server trains them)."""
+    ranks, so the journal does not name its episodes (a restarted server trains them).
+
+    The tiny model's step 1 can end before batch 2's build on a loaded machine (a CI run did: the row then
+    says, truly, that batch 2 was not ready ahead). So the coordinator sees step 1's result only once the
+    build it started while the step trained is over; a coordinator that never started it fails here."""
 
     async def scenario() -> Coordinator:
         engine = create_engine("transformers", tiny_model, max_model_len=1024)
         await engine.start()
         coordinator = coordinator_for(tmp_path, engine, total_steps=3, max_staleness=2, save_every=100)
+        real_wait = TrainerChannel.wait_result
+
+        async def result_after_batch_2(channel: TrainerChannel, step: int, *args, **kwargs) -> StepResult:
+            result = await real_wait(channel, step, *args, **kwargs)
+            deadline = time.monotonic() + 300
+            while step == 1 and not (coordinator._ahead is not None and coordinator._ahead.done()):
+                assert time.monotonic() < deadline, "batch 2 was never prepared while step 1 trained"
+                await asyncio.sleep(0.01)
+            return result
+
+        monkeypatch.setattr(TrainerChannel, "wait_result", result_after_batch_2)
         for task in ("t0", "t1", "t2"):
             for repeat in range(REPEATS):
                 coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
@@ -67,6 +84,7 @@ def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_s
 
         training = asyncio.create_task(coordinator.run())
         await stop_when(coordinator, step_2_trains_and_batch_3_is_built)
+        assert coordinator._ahead is not None
         prepared = coordinator._ahead.result()
         assert prepared.step == 3 and {e.task_id for e in prepared.batch.episodes} == {"t2"}
         training.cancel()  # the server's shutdown after the save
@@ -87,7 +105,7 @@ def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_s
         (1, ["t0-r0", "t0-r1"]),
         (2, ["t1-r0", "t1-r1"]),
     ]
-    assert coordinator.channel.last_checkpoint_step() == 2
+    assert coordinator.channel is not None and coordinator.channel.last_checkpoint_step() == 2
 
 
 def test_with_max_staleness_0_nothing_is_prepared_ahead(tmp_path: Path, tiny_model: Path) -> None:
@@ -155,7 +173,7 @@ def test_ranks_started_with_the_engine_are_stopped_when_the_engine_fails_to_load
     the ranks started beside it are stopped, not left running on the node."""
     import shutil
 
-    from ajet_hpc.server.app import create_app
+    from ajet_hpc.server.app import ServerContext, create_app
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)
@@ -163,8 +181,9 @@ def test_ranks_started_with_the_engine_are_stopped_when_the_engine_fails_to_load
     weights.write_bytes(weights.read_bytes()[:100])
     engine = create_engine("transformers", broken, max_model_len=1024)
     coordinator = coordinator_for(tmp_path, engine, total_steps=1)
-    coordinator.ctx.attach_trainer(coordinator)
-    app = create_app(coordinator.ctx)
+    assert isinstance(coordinator.host, ServerContext)
+    coordinator.host.attach_trainer(coordinator)
+    app = create_app(coordinator.host)
 
     async def start() -> None:
         async with app.router.lifespan_context(app):
