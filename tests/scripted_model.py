@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 TOOLS = [
     {
@@ -30,7 +31,7 @@ def call(name: str, **arguments: int) -> dict:
 
 
 # (message the agent sends, answer the model must give): five model calls, two of them tool calls.
-SCRIPT = [
+SCRIPT: list[tuple[dict[str, Any], dict[str, Any]]] = [
     (
         {"role": "user", "content": "What is 2+3? Use the tool."},
         {"content": "", "tool_calls": [call("add", a=2, b=3)]},
@@ -44,7 +45,7 @@ SYSTEM = {"role": "system", "content": "You are a calculator agent."}
 
 
 def conversation() -> list[dict]:
-    messages = [SYSTEM]
+    messages: list[dict[str, Any]] = [SYSTEM]
     for sent, answer in SCRIPT:
         messages += [sent, {"role": "assistant", **answer}]
     return messages

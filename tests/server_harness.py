@@ -15,7 +15,7 @@ import uvicorn
 
 from ajet_hpc.client.handshake import fetch_run_token
 from ajet_hpc.config import ServingConfig
-from ajet_hpc.engine.select import create_engine
+from ajet_hpc.engine.select import EngineKind, create_engine
 from ajet_hpc.server.app import ServerContext, create_app
 
 SECRET = "5e" * 32
@@ -58,7 +58,7 @@ def admin_token(url: str, secret: str = SECRET) -> str:
 
 
 class Harness:
-    def __init__(self, kind: str, model_path: Path, max_model_len: int = 1024) -> None:
+    def __init__(self, kind: EngineKind, model_path: Path, max_model_len: int = 1024) -> None:
         self.engine = create_engine(kind, model_path, max_model_len=max_model_len)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"harness-{kind}", daemon=True)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -40,12 +40,13 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
-from ajet_hpc.trainer import weight_sync
-from ajet_hpc.trainer.rank_files import MemoryWeights, TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.sync_plan import SyncBackend, SyncPlan
 
-QWEN25_05B = {
+# a config.json's fields, passed as keyword arguments to transformers' config classes
+QWEN25_05B: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
     "hidden_size": 896,
@@ -79,7 +80,7 @@ def build_model(dest: Path, layers: int) -> Path:
     return dest
 
 
-def make_engine(model: Path, use_vllm: bool, backend: str | None):
+def make_engine(model: Path, use_vllm: bool, backend: SyncBackend | None):
     if use_vllm:
         from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 
@@ -102,7 +103,9 @@ def score(folder: Path, prompt: list[int], response: list[int], device: str) -> 
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # transformers declares PreTrainedModel.to through functools.wraps, which mypy does not bind as a method
+    model = cast(torch.nn.Module, loaded).to(device).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response], device=device)).logits[0].float()
     table = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
@@ -140,7 +143,7 @@ async def rollouts(engine, prompt: list[int], group: int, version: int) -> list[
     return samples
 
 
-async def train_pass(engine, model: Path, work: Path, args, backend: str | None) -> list[dict]:
+async def train_pass(engine, model: Path, work: Path, args, backend: SyncBackend | None) -> list[dict]:
     """``args.steps`` GRPO steps with the weights reaching the engine in memory (``backend``) or from disk
     (None); after each, the engine's greedy answer with its logprobs, and the timings."""
     config = TrainerConfig(zero_stage=3, ranks=1, lr=1e-4, total_steps=args.steps, save_every=10**6)
@@ -148,16 +151,15 @@ async def train_pass(engine, model: Path, work: Path, args, backend: str | None)
         placement = cpu_placement(1)
     else:
         placement = plan_placement(nodes=1, gpus_per_node=1, mode="colocate", engine_gpus=1, cpu_ranks=1)
-    env, sync_server = dict(os.environ), None
+    sync_server = None
     if backend is not None:
-        env[weight_sync.BACKEND_VAR], env[weight_sync.WORKERS_VAR] = backend, "1"
         clear(WorkDir(work).sync)
         sync_server = asyncio.get_running_loop().create_task(
             SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
         )
     log_path = work / "ranks.log"
     process = start_ranks(
-        work, model, config, on_slurm=False, placement=placement, log_path=log_path, env=env
+        work, model, config, on_slurm=False, placement=placement, log_path=log_path, sync=SyncPlan(backend, 1)
     )
     channel = TrainerChannel(work, alive=lambda: process.poll() is None, log_path=log_path)
     prompt = engine.tokenizer.apply_chat_template(
@@ -179,6 +181,9 @@ async def train_pass(engine, model: Path, work: Path, args, backend: str | None)
             if isinstance(result.weights, MemoryWeights):  # sent before the result was written
                 sync_s = result.weights.send_s
             else:
+                assert isinstance(result.weights, DiskWeights), (
+                    f"{result.weights.kind} weights: only a server whose job ends gets those"
+                )
                 await engine.load_weights(result.weights.folder, step)
                 sync_s = time.monotonic() - began
             greedy = SamplingParams(max_tokens=16, temperature=0.0)
@@ -292,7 +297,7 @@ async def check(args: argparse.Namespace) -> dict:
     use_vllm, why = vllm_available()
     # vLLM: weights in memory (CUDA IPC: the rank shares the engine's GPU), and a disk pass to compare with;
     # the transformers engine: from disk only
-    backend = ("ajet_gloo" if args.cpu else "ipc") if use_vllm else None
+    backend: SyncBackend | None = ("ajet_gloo" if args.cpu else "ipc") if use_vllm else None
     print(f"engine: {'vllm' if use_vllm else 'transformers'} ({why})")
     engine = make_engine(model, use_vllm, backend)
     started = time.monotonic()

@@ -19,7 +19,7 @@ from support import run_module, topology_dict, wait_until, write_topology
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import ClientStore
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 

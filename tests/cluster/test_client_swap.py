@@ -19,7 +19,7 @@ import pytest
 from support import REPO, jobs_ended, recorded_steps, run_module, wait_until
 
 from ajet_hpc.storage.client_store import read_results
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 

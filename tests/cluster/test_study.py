@@ -105,6 +105,11 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
     study_dir = tmp_path / "study"
     held: dict[int, str] = {}  # good trial -> its client job, suspended at the rung
 
+    def supervisor_job() -> str:
+        record = read_json(study_dir / "supervisor.json")
+        assert record is not None, "the study wrote no supervisor.json"
+        return record["job_id"]
+
     def hold_good_trials() -> None:
         for number in good_trials_to_hold(study_dir, held, STEPS):
             run = RunDir(study_dir / "trials" / f"{number:04d}")
@@ -118,7 +123,7 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
         wait_until(
             lambda: sum(e["event"] == "launched" for e in study_events(study_dir)) >= 2, 300, "2 launches"
         )
-        first_job = read_json(study_dir / "supervisor.json")["job_id"]
+        first_job = supervisor_job()
         slurmcli.cancel([first_job])
 
         def first_supervisor_gone() -> bool:
@@ -127,10 +132,15 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
 
         wait_until(first_supervisor_gone, 120, "the supervisor job to end")
         again = _study_popen(str(study_dir), "--slurm")
-        wait_until(lambda: hold_good_trials() or again.poll() is not None, 300, "the study command")
+
+        def command_ended() -> bool:
+            hold_good_trials()
+            return again.poll() is not None
+
+        wait_until(command_ended, 300, "the study command")
         out, err = again.communicate()
         assert again.returncode == 0, out + err
-        assert read_json(study_dir / "supervisor.json")["job_id"] != first_job
+        assert supervisor_job() != first_job
 
         # a good trial that successive halving kept past its rung: its server job is scancelled while its
         # clients are held; the supervisor relaunches it
@@ -177,13 +187,11 @@ def test_study_on_dev_cluster(tmp_path: Path) -> None:
     assert any(trials[n].params["clients.math.agent"] == BAD for n in pruned), events
     for n in pruned:
         pruned_run = RunDir(study_dir / "trials" / f"{n:04d}")
-        wait_until(
-            lambda r=pruned_run: (
-                not any(s.active for j in registry.latest(r).values() for s in task_states(j))
-            ),
-            120,
-            f"the jobs of pruned trial {n} to be gone",
-        )
+
+        def jobs_gone(r: RunDir = pruned_run) -> bool:
+            return not any(s.active for j in registry.latest(r).values() for s in task_states(j))
+
+        wait_until(jobs_gone, 120, f"the jobs of pruned trial {n} to be gone")
     assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials.values()), events
 
     report = _study_cmd(str(study_dir), "report")

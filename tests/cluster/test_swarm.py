@@ -11,7 +11,7 @@ from support import REPO, run_module, wait_until
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import read_results
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 

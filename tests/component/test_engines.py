@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
 
 @pytest.fixture(scope="module")
-def run() -> Run:
+def run() -> Iterator[Run]:
     loop = asyncio.new_event_loop()
     yield loop.run_until_complete
     loop.run_until_complete(loop.shutdown_asyncgens())
@@ -77,7 +77,7 @@ def score() -> Callable[[Path, list[int], list[int]], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def transformers_engine(run: Run, tiny: Path) -> TransformersEngine:
+def transformers_engine(run: Run, tiny: Path) -> Iterator[TransformersEngine]:
     engine = TransformersEngine(tiny, TransformersSettings(max_model_len=MAX_LEN))
     run(engine.start())
     yield engine
@@ -85,7 +85,7 @@ def transformers_engine(run: Run, tiny: Path) -> TransformersEngine:
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(run: Run, tiny: Path) -> VllmEngine:
+def vllm_engine(run: Run, tiny: Path) -> Iterator[VllmEngine]:
     ok, why = vllm_available()
     if not ok:
         if os.environ.get("CI", "").lower() == "true":
@@ -114,7 +114,10 @@ async def stop_with_a_request_in_flight(engine: Engine) -> None:
 
 def prompt_of(engine: Engine, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
-    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    # tokenized and not as a dict: the ids of one conversation (transformers types every return shape)
+    assert isinstance(ids, list), type(ids)
+    return cast(list[int], ids)
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
@@ -195,6 +198,7 @@ def test_max_tokens_stop_token_ids_and_stop_strings(run: Run, engine: Engine) ->
     # A two-token stop string: generation ends with the token that completes it.
     decode = engine.tokenizer.decode
     stop = decode(free.token_ids[end - 1 : end + 1], skip_special_tokens=True)
+    assert isinstance(stop, str)  # one sequence decodes to one string
     end = next(n for n in range(1, len(free.token_ids) + 1) if stop in decode(free.token_ids[:n]))
     params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, stop=(stop,))
     by_string = run(generate_all(engine, prompt, params, "by-string"))
@@ -234,6 +238,7 @@ def test_leaving_a_stream_early_frees_the_request(run: Run, engine: Engine) -> N
 
     async def first_chunk_only() -> None:
         stream = engine.generate(prompt, SamplingParams(max_tokens=400), "left")
+        assert isinstance(stream, AsyncGenerator)  # both engines' generate is an async generator
         await anext(stream)
         await stream.aclose()
 
@@ -247,13 +252,14 @@ def test_vllm_batches_concurrent_requests(run: Run, vllm_engine: VllmEngine) -> 
     """32 requests in flight together: every one starts streaming before most of them have ended."""
 
     async def timed(i: int) -> tuple[float, float, Chunk]:
-        first = None
+        first: float | None = None
         tokens: list[int] = []
         reason = None
         async for chunk in vllm_engine.generate(prompt_of(vllm_engine, f"Question {i}"), GREEDY, f"c{i}"):
             first = first or time.monotonic()
             tokens += chunk.token_ids
             reason = chunk.finish_reason
+        assert first is not None, f"request c{i} streamed nothing"
         return first, time.monotonic(), Chunk(tokens, [], reason)
 
     async def all_at_once() -> list[tuple[float, float, Chunk]]:

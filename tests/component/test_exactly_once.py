@@ -19,7 +19,7 @@ from support import REPO, run_module, topology_dict, wait_until, write_topology
 from ajet_hpc.client.handshake import run_client
 from ajet_hpc.client.session import EpisodeAPI, KeyEnded
 from ajet_hpc.storage import rendezvous
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.rundir import RunDir
 
 pytestmark = pytest.mark.slow
@@ -46,13 +46,16 @@ def run_episode(api: EpisodeAPI, task: str, repeat: int, reward: float) -> dict:
     return api.end(begun["episode_id"], reward, None, {}, key=("math", task, repeat))
 
 
-def connect(run: Path, previous: rendezvous.Rendezvous | None = None) -> EpisodeAPI:
-    def ready():
+def connect(
+    run: Path, previous: rendezvous.Rendezvous | None = None
+) -> tuple[EpisodeAPI, rendezvous.Rendezvous]:
+    def ready() -> rendezvous.Rendezvous | None:
         found = rendezvous.read(run / "servers" / "policy.json")
-        fresh = found is not None and (previous is None or found.started_at != previous.started_at)
-        return found if fresh and found.state == "training" else None
+        if found is None or (previous is not None and found.started_at == previous.started_at):
+            return None
+        return found if found.state == "training" else None
 
-    record = wait_until(ready, 300, "the server's rendezvous")
+    record: rendezvous.Rendezvous = wait_until(ready, 300, "the server's rendezvous")
     return EpisodeAPI(record.url, RunDir.at(run).read_secret()), record
 
 

@@ -19,7 +19,7 @@ from ajet_hpc.config import dump_topology, load_topology
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.inspect.cli import main
 from ajet_hpc.inspect.run import Run
-from ajet_hpc.storage.episode_store import EpisodeWriter
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 from ajet_hpc.tracking.context import ContextTracker
 from ajet_hpc.tracking.timeline import Timeline
@@ -85,7 +85,9 @@ def five_turn_timelines(tokenizer) -> list[Timeline]:
     ]
     for turn, (sampled, content, then) in enumerate(WEATHER_TURNS):
         city = "Paris" if turn == 0 else "Rome"
-        calls = [{"id": f"c{turn}", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
+        calls: list[dict[str, Any]] = [
+            {"id": f"c{turn}", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        ]
         calls[0]["function"]["arguments"] = json.dumps({"city": city})
         reply = {"role": "assistant", "content": content, **({} if content else {"tool_calls": calls})}
         record(tracker, messages, reply, sampled, T0 + 2 * turn, TOOLS)

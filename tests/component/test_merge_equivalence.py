@@ -136,7 +136,7 @@ def test_episode_weighting_is_the_same_merged_or_not(tiny_model: Path) -> None:
     ]
     samples = first + second
     weigh_episodes(samples)
-    totals = {}
+    totals: dict[str, float] = {}
     for s in samples:
         totals[s.episode_id] = totals.get(s.episode_id, 0.0) + s.weight * sum(s.loss_mask)
     assert totals["ep"] == pytest.approx(totals["ep2"])

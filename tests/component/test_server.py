@@ -11,12 +11,15 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import openai
 import pytest
 import torch
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam, ChatCompletionToolUnionParam
 from scripted_model import SCRIPT, SYSTEM, TOOLS
 from server_harness import SECRET, RunningServer, admin_token
 from transformers import AutoModelForCausalLM
@@ -49,39 +52,50 @@ def _reply_matches(message, expected: dict) -> None:
         assert message.content == expected["content"] and not message.tool_calls
 
 
-def _stream_message(stream) -> tuple[dict, str]:
-    content, calls, finish = "", [], None
+def _stream_message(stream: Iterable[ChatCompletionChunk]) -> tuple[dict[str, Any], str | None]:
+    content, finish = "", None
+    calls: list[dict[str, Any]] = []
     for chunk in stream:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             calls += [call.model_dump(exclude_none=True) for call in choice.delta.tool_calls or []]
             finish = choice.finish_reason or finish
-    message = {"role": "assistant", "content": content or None}
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
     return message, finish
+
+
+def _as_message(message: dict[str, Any]) -> ChatCompletionMessageParam:
+    """A message of the script (plain JSON) as the openai client types the messages it sends."""
+    return cast(ChatCompletionMessageParam, message)
 
 
 def run_script(server, stream: bool) -> tuple[str, list[dict]]:
     """The agent side: five calls through one episode with the real openai client."""
     begun = server.begin(task_id="add-two-sums", group="calc")
     client = openai.OpenAI(base_url=begun["base_url"], api_key=begun["api_key"], max_retries=0)
-    messages: list[dict] = [SYSTEM]
+    messages: list[ChatCompletionMessageParam] = [_as_message(SYSTEM)]
+    tools = cast(list[ChatCompletionToolUnionParam], TOOLS)  # plain JSON tool schemas
     replies = []
     for sent, expected in SCRIPT:
-        messages.append(sent)
-        kwargs = dict(model="policy", messages=messages, tools=TOOLS, temperature=0, max_tokens=60)
+        messages.append(_as_message(sent))
         if stream:
-            reply, finish = _stream_message(client.chat.completions.create(stream=True, **kwargs))
+            chunks = client.chat.completions.create(
+                model="policy", messages=messages, tools=tools, temperature=0, max_tokens=60, stream=True
+            )
+            reply, finish = _stream_message(chunks)
             message = openai.types.chat.ChatCompletionMessage.model_validate(reply)
         else:
-            completion = client.chat.completions.create(logprobs=True, **kwargs)
+            completion = client.chat.completions.create(
+                model="policy", messages=messages, tools=tools, temperature=0, max_tokens=60, logprobs=True
+            )
             message, finish = completion.choices[0].message, completion.choices[0].finish_reason
-            assert completion.usage.completion_tokens > 0
+            assert completion.usage is not None and completion.usage.completion_tokens > 0
             reply = message.model_dump(exclude_none=True)
         _reply_matches(message, expected)
         assert finish == ("tool_calls" if expected.get("tool_calls") else "stop")
-        messages.append(reply)
+        messages.append(_as_message(reply))
         replies.append(reply)
     return begun["episode_id"], replies
 
@@ -109,6 +123,7 @@ def test_five_turn_tool_conversation_is_recorded_token_for_token(
     tokenizer = server.ctx.engine.tokenizer
     for index, (timeline, reply) in enumerate(zip(timelines, replies, strict=True)):
         served = tokenizer.decode(timeline["response_ids"], skip_special_tokens=True)
+        assert isinstance(served, str)  # one sequence decodes to one string
         if reply.get("tool_calls"):
             assert served.startswith("<tool_call>") and reply["tool_calls"][0]["function"]["name"] in served
         else:
@@ -318,6 +333,7 @@ def test_text_completions_and_models(hf_server) -> None:
     begun = hf_server.begin()
     client = openai.OpenAI(base_url=begun["base_url"], api_key=begun["api_key"], max_retries=0)
     completion = client.completions.create(model="policy", prompt="2+3=", max_tokens=4, temperature=0)
+    assert completion.usage is not None
     assert completion.usage.completion_tokens == 4 and completion.choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list().data] == ["policy"]
     assert hf_server.episode(begun["episode_id"])["calls"] == 1

@@ -13,7 +13,7 @@ import asyncio
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -29,9 +29,11 @@ from ajet_hpc.trainer import zero
 from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.rank_files import (
     RESUME_LIMIT_VAR,
+    DiskWeights,
     StepResult,
     TrainerChannel,
     TrainerFailed,
+    TrainerState,
     WorkDir,
     read_batch,
     read_trainer_state,
@@ -270,6 +272,19 @@ class Ranks:
         self.proc.wait()
 
 
+def exported(result: StepResult) -> Path:
+    """The folder the step's weights were exported to (these ranks sync by disk)."""
+    assert isinstance(result.weights, DiskWeights), result.weights
+    return result.weights.folder
+
+
+def trainer_state(work: WorkDir) -> TrainerState:
+    """``ds/trainer_state.json``, which a committed checkpoint leaves."""
+    state = read_trainer_state(work)
+    assert state is not None, "no trainer_state.json"
+    return state
+
+
 def check_against_reference(
     result: StepResult, weights_dir: Path, reference: tuple[dict, dict], initial: dict, samples: list[Sample]
 ) -> None:
@@ -313,11 +328,11 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
         assert first.ready["step"] == 0 and first.ready["world_size"] == 2
         result1 = first.step(1, batches[0], save_checkpoint=True)
         assert result1.checkpoint is True
-        after_step1 = weights_of(result1.weights.folder)
+        after_step1 = weights_of(exported(result1))
         reference = reference_step(tiny_model, batches[0], config)
-        check_against_reference(result1, result1.weights.folder, reference, initial, batches[0])
+        check_against_reference(result1, exported(result1), reference, initial, batches[0])
         result2 = first.step(2, batches[1])  # past the checkpoint: lost in the crash below
-        after_step2 = weights_of(result2.weights.folder)
+        after_step2 = weights_of(exported(result2))
         assert first.channel.last_checkpoint_step() == 1
         first.kill()
         with pytest.raises(TrainerFailed, match="exited"):
@@ -327,7 +342,7 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
 
     work = WorkDir(tmp_path, export_root=export_root(tmp_path))
     assert work.weights != tmp_path / "weights"  # exports go to node-local storage, not the work dir
-    assert result1.weights.folder.parent == work.weights
+    assert exported(result1).parent == work.weights
     shutil.rmtree(work.weights_dir(1))  # the resumed ranks export the checkpoint's weights again
     second = Ranks(tmp_path, tiny_model, config)
     try:
@@ -336,7 +351,7 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
         again = second.step(2, batches[1])
         for key in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "tokens"):
             assert getattr(again, key) == pytest.approx(getattr(result2, key), abs=1e-6), key
-        assert max_diff(weights_of(again.weights.folder), after_step2) < 1e-6
+        assert max_diff(weights_of(exported(again)), after_step2) < 1e-6
         with pytest.raises(TrainerFailed, match="takes step 3 next"):
             second.channel.submit(5, batches[0])
             run(second.channel.wait_result(5, timeout_s=30))
@@ -358,18 +373,19 @@ def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     # A rank died after the checkpoint of step 2 was committed and before its result reached the
     # coordinator, which recorded step 1 last: the ranks go back to step 1's checkpoint, so that step 2's
     # batch, sent again as step 2, is trained once.
-    assert read_trainer_state(work).previous.step == 1
+    previous = trainer_state(work).previous
+    assert previous is not None and previous.step == 1
     third = Ranks(tmp_path, tiny_model, config, recorded=1)
     try:
         assert third.ready["step"] == 1
         assert max_diff(weights_of(Path(third.ready["weights_dir"])), after_step1) == 0.0
-        state = read_trainer_state(work)
+        state = trainer_state(work)
         assert (state.step, state.tag) == (1, "step-000001")  # named trusted again
         assert not (work.ds / "step-000002").exists()  # removed as left by a run past step 1
         again = third.step(2, batches[1], save_checkpoint=True)
-        assert max_diff(weights_of(again.weights.folder), after_step2) < 1e-6
-        state = read_trainer_state(work)
-        assert state.step == 2 and state.previous.step == 1
+        assert max_diff(weights_of(exported(again)), after_step2) < 1e-6
+        state = trainer_state(work)
+        assert state.step == 2 and state.previous is not None and state.previous.step == 1
         assert third.stop() == 0
     finally:
         third.kill()
@@ -423,7 +439,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_trusted(
             break
     assert caught is not None, "every save finished before the ranks could be frozen"
     trusted, partial = caught
-    assert partial.exists() and read_trainer_state(work).step == trusted
+    assert partial.exists() and trainer_state(work).step == trusted
 
     resumed = Ranks(tmp_path, tiny_model, config)
     try:
@@ -450,7 +466,7 @@ def test_zero3_trains_and_syncs_weights_into_the_vllm_engine(
         assert ranks.stop() == 0
     finally:
         ranks.kill()
-    weights = result.weights.folder
+    weights = exported(result)
     assert result.kl == pytest.approx(0.0, abs=1e-6) and result.clip_frac == 0.0
     reference = reference_step(tiny_model, batches[0], config)
     check_against_reference(result, weights, reference, weights_of(tiny_model), batches[0])
@@ -469,9 +485,12 @@ def test_zero3_trains_and_syncs_weights_into_the_vllm_engine(
 
     async def sync() -> tuple[list[int], Any, Any]:
         async with VllmEngine(tiny_model, VllmSettings(max_model_len=256)) as engine:
-            prompt = engine.tokenizer.apply_chat_template(
+            ids = engine.tokenizer.apply_chat_template(
                 [{"role": "user", "content": "Which weights?"}], add_generation_prompt=True, return_dict=False
             )
+            # tokenized and not as a dict: the ids of one conversation (transformers types every shape)
+            assert isinstance(ids, list), type(ids)
+            prompt = cast(list[int], ids)
             params = SamplingParams(max_tokens=16, temperature=0.0)
             before = await generate_all(engine, prompt, params, "before")
             await engine.load_weights(weights, 1)

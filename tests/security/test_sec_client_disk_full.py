@@ -16,7 +16,7 @@ from support import REPO, fill_disk, run_module, topology_dict, wait_until, writ
 
 from ajet_hpc.client.runner import EXIT_STORE_FAILED
 from ajet_hpc.storage.client_store import read_results
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = pytest.mark.slow
 TASKS = 30

@@ -39,7 +39,8 @@ class FailingModelProxy:
     runner does (begin, abort, /health, the episodes it ended) goes to the real server behind it."""
 
     def __init__(self, upstream: str) -> None:
-        self.upstream, self.model_calls = upstream, []
+        self.upstream = upstream
+        self.model_calls: list[float] = []  # monotonic times of the model calls answered with a 500
         app = FastAPI()
         app.add_api_route("/{path:path}", self.forward, methods=["GET", "POST"])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

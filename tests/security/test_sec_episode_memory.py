@@ -23,15 +23,17 @@ def tokenizer():
 def run_episode(registry: EpisodeRegistry, tokenizer, index: int) -> str:
     """An 8-turn episode as the server records it: prompt, sampled ids, record; then its end."""
     episode = registry.begin(f"task-{index}", "g", {"seed": index}, repeat=0)
+    tracker = episode.tracker
+    assert tracker is not None  # a live episode tracks its context
     messages = [{"role": "system", "content": "You are a careful assistant. " * 4}]
     for turn in range(TURNS):
         messages.append(
             {"role": "user", "content": f"turn {turn} of episode {index}: " + "question text " * 20}
         )
-        plan = episode.tracker.build_prompt(messages)
+        plan = tracker.build_prompt(messages)
         reply = {"role": "assistant", "content": f"answer {turn}: " + "answer text " * 25}
         ids = tokenizer.encode(reply["content"], add_special_tokens=False)
-        episode.tracker.record(plan, ids, [-0.25] * len(ids), reply, "stop", policy_version=1)
+        tracker.record(plan, ids, [-0.25] * len(ids), reply, "stop", policy_version=1)
         messages.append(reply)
     registry.end(episode.episode_id, 1.0, None, None, {})
     return episode.episode_id

@@ -36,7 +36,7 @@ from server_harness import SECRET, Harness, RunningServer
 
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.server.recorder import EpisodeRecorder
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def credentials(server: RunningServer, kind: str) -> tuple[dict[str, str], str |
     raise ValueError(f"no credentials for {kind!r}")
 
 
-ANONYMOUS_HEADERS = st.one_of(
+ANONYMOUS_HEADERS: st.SearchStrategy[dict[str, str]] = st.one_of(
     st.just({}),
     st.sampled_from(
         [
@@ -130,7 +130,7 @@ def explicit_calls() -> list[dict[str, Any]]:
     draw reaches only sometimes, each of which once cost the server a 500 or seconds of its event loop."""
     hello = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    calls = [
+    calls: list[dict[str, Any]] = [
         {"messages": [*hello] * 5000},  # beyond serving.max_messages
         {"messages": [{"role": "user", "content": str(i)} for i in range(800)]},  # many short ones
         {"messages": hello, "tools": [tool] * 5000},
@@ -205,10 +205,10 @@ def from_schema(
         return fitting if clean else st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_INTS))
     if kind == "number":
         low, high = schema.get("minimum"), schema.get("maximum")
-        fitting = st.floats(low, high, allow_nan=False, allow_infinity=False)
+        numbers = st.floats(low, high, allow_nan=False, allow_infinity=False)
         if "exclusiveMinimum" in schema:
-            fitting = fitting.filter(lambda x: x > schema["exclusiveMinimum"])
-        return fitting if clean else st.one_of(fitting, fitting, fitting, st.sampled_from(HOSTILE_FLOATS))
+            numbers = numbers.filter(lambda x: x > schema["exclusiveMinimum"])
+        return numbers if clean else st.one_of(numbers, numbers, numbers, st.sampled_from(HOSTILE_FLOATS))
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
@@ -478,6 +478,7 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
         model_calls * 3 if kind == "episode" else [op for op in ops if "/v1/episodes" in op.path]
     )
     log = FuzzLog()
+    assert server.ctx.recorder is not None  # the fixture attached one
     log.store_failures_before = server.ctx.recorder.failed
     http = httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S)
     started = time.monotonic()
@@ -538,12 +539,14 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
 
 def assert_recorded(log: FuzzLog, server: RunningServer, store: Path) -> None:
     """Every end the server accepted is in the store, once."""
-    assert server.ctx.recorder.flush(60), "the episode store did not take the ended episodes within 60 s"
+    recorder = server.ctx.recorder
+    assert recorder is not None  # the fixture attached one
+    assert recorder.flush(60), "the episode store did not take the ended episodes within 60 s"
     with EpisodeReader(store) as reader:
         stored = Counter(s["episode_id"] for s in reader.summaries())
     lost = [episode for episode in log.ended if stored[episode] != 1]
     assert not lost, f"ended episodes not stored exactly once: {[(e, stored[e]) for e in lost][:10]}"
-    failed = server.ctx.recorder.failed - log.store_failures_before
+    failed = recorder.failed - log.store_failures_before
     assert failed == 0, f"{failed} closed episode(s) could not be written to the store (see the log above)"
 
 

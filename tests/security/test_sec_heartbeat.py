@@ -12,11 +12,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
+import uvicorn
 from support import fill_disk, tmpfs, wait_until
 
 from ajet_hpc.server import process
+from ajet_hpc.server.app import ServerContext
 from ajet_hpc.storage import rendezvous
 
 
@@ -35,7 +38,8 @@ def _heartbeat(path: Path, monkeypatch: pytest.MonkeyPatch) -> process._Heartbea
     ctx = SimpleNamespace(
         state="training", engine=SimpleNamespace(policy_version=3), step=2, last_step_at=None, reason=None
     )
-    beat = process._Heartbeat(path, record, SimpleNamespace(started=True), ctx)
+    server = cast(uvicorn.Server, SimpleNamespace(started=True))  # stand-in: the heartbeat reads `started`
+    beat = process._Heartbeat(path, record, server, cast(ServerContext, ctx))
     beat.start()
     return beat
 
@@ -55,7 +59,8 @@ def test_the_heartbeat_outlives_a_full_disk(full_disk: Path, monkeypatch: pytest
 
 
 def test_the_heartbeat_outlives_estale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real, failures = rendezvous.write_json_atomic, []
+    real = rendezvous.write_json_atomic
+    failures: list[Path] = []
 
     def stale_handle(path: Path, payload: object) -> None:
         if len(failures) < 5:
@@ -69,8 +74,13 @@ def test_the_heartbeat_outlives_estale(tmp_path: Path, monkeypatch: pytest.Monke
         wait_until(lambda: rendezvous.read(tmp_path / "policy.json"), 10, "the rendezvous to be written")
         assert len(failures) == 5 and beat.is_alive()
         first = rendezvous.read(tmp_path / "policy.json")
-        wait_until(  # and it goes on beating
-            lambda: rendezvous.read(tmp_path / "policy.json").heartbeat_at > first.heartbeat_at, 5, "a beat"
-        )
+        assert first is not None
+
+        def beaten_again() -> bool:
+            latest = rendezvous.read(tmp_path / "policy.json")
+            assert latest is not None  # written, and since replaced atomically
+            return latest.heartbeat_at > first.heartbeat_at
+
+        wait_until(beaten_again, 5, "a beat")  # and it goes on beating
     finally:
         beat.stop()

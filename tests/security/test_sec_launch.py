@@ -9,6 +9,7 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -26,7 +27,8 @@ from ajet_hpc.storage.rundir import RunDir
 def test_account_and_qos_that_would_split_an_sbatch_line_are_refused(
     tmp_path: Path, field: str, value: str
 ) -> None:
-    data = topology_dict(tmp_path / "run", backend="slurm", **{field: value})
+    setting: dict[str, Any] = {field: value}  # the cluster's account or qos
+    data = topology_dict(tmp_path / "run", backend="slurm", **setting)
     with pytest.raises(ConfigError) as caught:
         load_topology(data)
     assert f"cluster.{field}" in str(caught.value)

@@ -20,7 +20,8 @@ from test_sec_stores import make_record
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.server import recorder as recorder_module
 from ajet_hpc.server.recorder import EpisodeRecorder
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter
 
 
 @pytest.fixture

@@ -9,15 +9,28 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any, TypedDict
 
 import httpx
 import pytest
 from server_harness import SECRET, Harness, RunningServer, admin_token
 
 from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.server.episodes import Episode
 from ajet_hpc.tracking.context import ContextTracker
 
-LIMITS = dict(max_request_bytes=64 * 1024, max_messages=900, max_tools=2, max_stop=2, max_stop_chars=8)
+
+class Limits(TypedDict):
+    """The serving limits these tests run against (`ServingConfig` fields)."""
+
+    max_request_bytes: int
+    max_messages: int
+    max_tools: int
+    max_stop: int
+    max_stop_chars: int
+
+
+LIMITS = Limits(max_request_bytes=64 * 1024, max_messages=900, max_tools=2, max_stop=2, max_stop_chars=8)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +205,10 @@ def test_health_answers_while_a_heavy_prompt_is_built(server: RunningServer) -> 
     """An 800-message prompt is built off the event loop. Timing-free: the build is held on an event (the
     one stand-in here: a real build is too quick to observe) until /health has answered."""
     begun = server.begin(task_id="heavy")
-    tracker = server.ctx.episodes.lookup(begun["episode_id"]).tracker
+    episode = server.ctx.episodes.lookup(begun["episode_id"])
+    assert isinstance(episode, Episode)  # begun, not ended: a live episode with its tracker
+    tracker = episode.tracker
+    assert tracker is not None
     building, release = threading.Event(), threading.Event()
     real_build = tracker.build_prompt
 
@@ -201,7 +217,7 @@ def test_health_answers_while_a_heavy_prompt_is_built(server: RunningServer) -> 
         assert release.wait(60), "/health never answered while the prompt was built"
         return real_build(*args, **kwargs)
 
-    tracker.build_prompt = held_build
+    tracker.build_prompt = held_build  # type: ignore[method-assign]  # the held build: the stand-in here
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(799)]
     result: dict[str, httpx.Response] = {}
     caller = threading.Thread(
@@ -230,7 +246,7 @@ class CountingLayoutTracker(ContextTracker):
             self.rendered += len(messages)
             return render(messages, *args, **kwargs)
 
-        self._layout.render = counted
+        self._layout.render = counted  # type: ignore[method-assign]  # counting, then the real render
 
 
 def conversation(turns: int) -> list[dict]:
@@ -272,7 +288,7 @@ def test_the_window_layout_gives_the_prefix_layout(request: pytest.FixtureReques
     else:
         tokenizer = request.getfixturevalue("tiny_qwen_tokenizer")
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
-    cases = [
+    cases: list[list[dict[str, Any]]] = [
         conversation(3),
         [{"role": "user", "content": "hi"}],
         [
@@ -293,7 +309,7 @@ def test_the_window_layout_gives_the_prefix_layout(request: pytest.FixtureReques
         for tools in (None, [TOOL]):
             fast = ContextTracker(tokenizer)._layout.layout(messages, tools, {})
             exact_layout = ContextTracker(tokenizer)._layout
-            exact_layout._window_bounds = lambda *args: None  # the prefix renderings alone
+            exact_layout._window_bounds = lambda *args: None  # type: ignore[method-assign]  # prefixes alone
             exact = exact_layout.layout(messages, tools, {})
             assert (fast.text, fast.bounds, fast.drift) == (exact.text, exact.bounds, exact.drift)
 

@@ -18,8 +18,9 @@ import pytest
 from support import fill_disk, tmpfs
 
 from ajet_hpc.storage.client_store import ClientStore, Result, read_results
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter, StoreError
-from ajet_hpc.storage.h5_layout import lookup3, read_superblock
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter
+from ajet_hpc.storage.h5_layout import StoreError, lookup3, read_superblock
 from ajet_hpc.storage.lease import LeaseTiming
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.timeline import MODEL, USER, Timeline
@@ -104,7 +105,8 @@ def test_a_writer_that_dies_at_its_file_size_limit_leaves_every_commit_readable(
         sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # and support.py
         from pathlib import Path
         from test_sec_stores import make_record
-        from ajet_hpc.storage.episode_store import EpisodeWriter, StoreError
+        from ajet_hpc.storage.episode_store_writer import EpisodeWriter
+        from ajet_hpc.storage.h5_layout import StoreError
         writer = EpisodeWriter(Path({str(path)!r}), chunk_tokens=1024)
         for i in range(3):
             writer.append_episode(make_record(i))
@@ -152,7 +154,9 @@ def test_a_store_cut_short_by_a_failed_append_is_read_and_repaired(tmp_path: Pat
             writer.append_episode(make_record(i))
     _cut_short(path, 50_000)
     assert _ids(path) == [f"ep-{i}" for i in range(20)]  # read through a repaired view, file untouched
-    assert path.stat().st_size < read_superblock(path).eof
+    block = read_superblock(path)
+    assert block is not None
+    assert path.stat().st_size < block.eof
     with EpisodeWriter(path) as writer:  # the writer pads it to its end and goes back to the last commit
         writer.append_episode(make_record(20))
     assert _ids(path) == [f"ep-{i}" for i in range(21)]

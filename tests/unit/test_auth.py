@@ -125,9 +125,9 @@ def test_episode_call_errors_are_401_or_403(monkeypatch: pytest.MonkeyPatch) -> 
         authorize_episode_call(SECRET, f"Bearer {_run_token()}", None, "policy")
     with pytest.raises(Unauthorized, match="never accepted over HTTP"):
         authorize_episode_call(SECRET, f"Bearer {SECRET}", None, "policy")
-    with pytest.raises(Unauthorized, match="missing") as caught:
+    with pytest.raises(Unauthorized, match="missing") as missing:
         authorize_episode_call(SECRET, None, None, "policy")
-    assert (caught.value.status_code, caught.value.code) == (401, "invalid_api_key")
+    assert (missing.value.status_code, missing.value.code) == (401, "invalid_api_key")
     with pytest.raises(Unauthorized, match="episode token"):
         authorize_episode_call(SECRET, "Bearer sk-not-ours", None, "policy")
     monkeypatch.setattr("time.time", lambda: NOW + 61)

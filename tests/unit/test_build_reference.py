@@ -18,8 +18,9 @@ from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import group_turn_advantages
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.algo.sample_tensors import Sample
-from ajet_hpc.config import TrainerConfig
+from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
 from ajet_hpc.trainer import episodes_to_samples as trainer_samples
 from ajet_hpc.trainer.collector import Batch
@@ -38,7 +39,7 @@ def ref_build_samples(batch: Batch, config: TrainerConfig, decode=None):
             trainer_samples._drop(batch, fault.episodes, fault.reason)
 
 
-def ref_episode_fault(episode: Episode, config: TrainerConfig) -> str | None:
+def ref_episode_fault(episode: EpisodeData, config: TrainerConfig) -> str | None:
     if not episode.timelines:
         return "it recorded no model call"
     reward = float(episode.reward or 0.0)
@@ -93,7 +94,7 @@ def ref_build(batch: Batch, config: TrainerConfig, decode):
     return samples, stats
 
 
-def ref_call_samples(group: list[Episode], gamma: float) -> list[list[Sample]]:
+def ref_call_samples(group: list[EpisodeData], gamma: float) -> list[list[Sample]]:
     returns = [trainer_samples._episode_returns(episode, gamma) for episode in group]
     calls = [(e, t) for e, episode in enumerate(group) for t in range(len(episode.timelines))]
     timelines = [timeline for episode in group for timeline in episode.timelines]
@@ -185,15 +186,16 @@ def random_episode(rng: random.Random, task: int, e: int) -> Episode:
 
 
 def random_batch(rng: random.Random, clean: bool) -> Batch:
-    groups = []
+    groups: list[list[EpisodeData]] = []
     for task in range(rng.randint(1, 4)):
         group = [random_episode(rng, task, e) for e in range(rng.randint(1, 4))]
         if clean:
             for episode in group:
                 episode.reward, episode.turn_rewards = rng.choice([0.0, 1.0, 0.5]), None
+                assert episode.stored_timelines is not None  # random_episode stores its timelines
                 good = [t for t in episode.stored_timelines if t.token_ids and 2 not in t.loss_mask]
                 episode.stored_timelines[:] = good or random_timelines(random.Random(0))[:1]
-        groups.append(group)
+        groups.append(list(group))
     return Batch(groups=groups, dropped_ids=["before"])
 
 
@@ -205,9 +207,9 @@ def _outcome(batch: Batch, built) -> tuple:
 def test_build_samples_equals_the_reference_on_random_batches_with_faults() -> None:
     configs = [
         TrainerConfig(),
-        TrainerConfig(merge={"mode": "none"}),
-        TrainerConfig(merge={"mode": "tree"}, loss_weighting="episode", turn_gamma=0.5),
-        TrainerConfig(merge={"mode": "tree", "tree_scope": "group"}),
+        TrainerConfig(merge=MergeConfig(mode="none")),
+        TrainerConfig(merge=MergeConfig(mode="tree"), loss_weighting="episode", turn_gamma=0.5),
+        TrainerConfig(merge=MergeConfig(mode="tree", tree_scope="group")),
     ]
     dropped = clean_runs = 0
     for seed in range(400):

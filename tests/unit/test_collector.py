@@ -82,7 +82,7 @@ def test_the_same_task_id_in_two_groups_is_two_tasks() -> None:
     collector.add(finished("b", "t0", 0.0))
     batch = collector.try_batch()
     assert batch is not None
-    assert sorted(group[0].group for group in batch.groups) == ["a", "b"]
+    assert sorted(group[0].group or "" for group in batch.groups) == ["a", "b"]
     for group in batch.groups:
         assert len({e.group for e in group}) == 1
 

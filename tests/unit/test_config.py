@@ -128,6 +128,7 @@ def test_defaults() -> None:
     assert (server.placement, server.engine_gpus, server.vllm.gpu_memory_utilization) == ("split", 1, 0.85)
     assert (server.mem, server.time, server.time_min, server.port) == ("16G", "4:00:00", 240, 0)
     trainer = server.trainer
+    assert trainer is not None
     assert (trainer.algorithm, trainer.zero_stage, trainer.ranks, trainer.lr) == ("grpo", 2, 1, 1e-5)
     assert (trainer.tasks_per_batch, trainer.repeats, trainer.max_staleness) == (8, 4, 1)
     assert (trainer.total_steps, trainer.save_every, trainer.seed) == (100, 10, 0)
@@ -138,7 +139,14 @@ def test_defaults() -> None:
 
 
 def test_every_field_has_a_description() -> None:
-    models = [RunConfig, ClusterConfig, TrainerConfig, ServerConfig, ClientGroupConfig, Topology]
+    models: list[type[pydantic.BaseModel]] = [
+        RunConfig,
+        ClusterConfig,
+        TrainerConfig,
+        ServerConfig,
+        ClientGroupConfig,
+        Topology,
+    ]
     for model in models:
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
@@ -147,7 +155,7 @@ def test_every_field_has_a_description() -> None:
 def test_models_are_frozen() -> None:
     topo = load_topology(base())
     with pytest.raises(pydantic.ValidationError):
-        topo.servers[0].nodes = 3  # type: ignore[misc]
+        topo.servers[0].nodes = 3
 
 
 def test_direct_construction_checks_consistency() -> None:
@@ -188,7 +196,9 @@ def test_yaml_uses_1_2_scalars(tmp_path: Path) -> None:
     topo = load_topology(write(tmp_path, text))
     assert topo.servers[0].time == "4:00:00"  # not YAML 1.1's base-60 integer 14400
     assert topo.clients[0].time == "4:00:00"
-    assert topo.servers[0].trainer.lr == 1e-5  # not the string "1e-5"
+    trainer = topo.servers[0].trainer
+    assert trainer is not None
+    assert trainer.lr == 1e-5  # not the string "1e-5"
 
 
 def test_integer_time_and_memory_are_minutes_and_megabytes() -> None:
@@ -569,7 +579,9 @@ def test_client_group_ratios_must_cover_a_server_and_sum_to_one() -> None:
 
 def test_merge_settings_are_validated() -> None:
     data = edited((("servers", 0, "trainer"), {"merge": {"mode": "tree", "level": "text"}}))
-    assert load_topology(data).servers[0].trainer.merge.mode == "tree"
+    trainer = load_topology(data).servers[0].trainer
+    assert trainer is not None
+    assert trainer.merge.mode == "tree"
     with pytest.raises(ConfigError) as info:
         load_topology(edited((("servers", 0, "trainer"), {"merge": {"mode": "zip"}})))
     assert [i.path for i in info.value.issues] == ["servers[0].trainer.merge.mode"]

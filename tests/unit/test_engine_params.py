@@ -36,11 +36,12 @@ from ajet_hpc.engine.vllm_engine import VllmSettings
 def test_sampling_params_refuse_bad_values_naming_the_field(field: str, value: object) -> None:
     args = {"max_tokens": 8, field: value}
     with pytest.raises(ValueError, match=field):
-        SamplingParams(**args)
+        SamplingParams(**args)  # type: ignore[arg-type]  # the bad value under test
 
 
 def test_sampling_params_freeze_lists_and_know_greedy() -> None:
-    params = SamplingParams(max_tokens=4, stop=["a", "bc"], stop_token_ids=[5])
+    # lists on purpose (as JSON gives them): frozen into tuples
+    params = SamplingParams(max_tokens=4, stop=["a", "bc"], stop_token_ids=[5])  # type: ignore[arg-type]
     assert params.stop == ("a", "bc") and params.stop_token_ids == (5,)
     hash(params)
     assert SamplingParams(max_tokens=1, temperature=0).greedy

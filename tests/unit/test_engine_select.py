@@ -13,13 +13,13 @@ from ajet_hpc.engine.vllm_engine import VllmEngine
 
 @pytest.mark.parametrize(("available", "expected"), [(True, VllmEngine), (False, TransformersEngine)])
 def test_auto_picks_vllm_when_it_imports(
-    monkeypatch: pytest.MonkeyPatch, available: bool, expected: type
+    monkeypatch: pytest.MonkeyPatch, available: bool, expected: type[VllmEngine] | type[TransformersEngine]
 ) -> None:
     monkeypatch.setattr(select, "vllm_available", lambda: (available, "test"))
     engine = select.create_engine("auto", Path("/models/m"), max_model_len=256, gpu_memory_utilization=0.5)
     assert isinstance(engine, expected)
     assert engine.settings.max_model_len == 256 and engine.policy_version == 0
-    if expected is VllmEngine:
+    if isinstance(engine, VllmEngine):  # expected is VllmEngine
         assert engine.settings.gpu_memory_utilization == 0.5
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
 import pytest
 
 from ajet_hpc.engine.tiny import build_tokenizer
@@ -9,6 +11,14 @@ from ajet_hpc.server.episodes import ABORTED, FINISHED, OPEN, EpisodeRegistry
 from ajet_hpc.server.errors import Conflict
 
 TOKENIZER = build_tokenizer()
+
+
+class KeyParts(TypedDict, total=False):
+    """Parts of an episode key, as an end names them."""
+
+    task_id: str
+    group: str
+    repeat: int
 
 
 def registry() -> tuple[EpisodeRegistry, list]:
@@ -64,7 +74,8 @@ def test_a_second_run_of_an_ended_key_is_not_trained() -> None:
 def test_an_end_naming_another_key_changes_nothing() -> None:
     episodes, closed = registry()
     episode = episodes.begin("t1", "math", {}, repeat=0)
-    for wrong in ({"group": "tools"}, {"repeat": 3}, {"task_id": "t2"}):
+    wrongs: list[KeyParts] = [{"group": "tools"}, {"repeat": 3}, {"task_id": "t2"}]
+    for wrong in wrongs:
         task_id = wrong.get("task_id")
         with pytest.raises(Conflict) as refused:
             episodes.end(
@@ -82,7 +93,7 @@ def test_an_end_naming_another_key_changes_nothing() -> None:
 
 def test_ended_keys_come_back_from_the_store_summaries() -> None:
     episodes, _ = registry()
-    summaries = [
+    summaries: list[dict[str, Any]] = [
         {"episode_id": "ep-a", "task_id": "t1", "group": "math", "state": "finished", "reward": 0.5,
          "metadata": {"repeat": 0}, "calls": 2, "policy_versions": [3], "started_at": 1.0, "ended_at": 2.0},
         {"episode_id": "ep-b", "task_id": "t1", "group": "math", "state": "aborted", "reward": None,

@@ -20,9 +20,12 @@ import numpy as np
 import pytest
 
 from ajet_hpc.algo.sample_tensors import Sample
-from ajet_hpc.server.episodes import Episode
-from ajet_hpc.storage import episode_store, h5_layout
-from ajet_hpc.storage.episode_store import LAYOUT_VERSION, EpisodeReader, EpisodeWriter, StoreError
+from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.storage import episode_store_writer as episode_store
+from ajet_hpc.storage import h5_layout
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter
+from ajet_hpc.storage.h5_layout import LAYOUT_VERSION, StoreError
 from ajet_hpc.storage.lease import LeaseTiming, lease_path, read_lease
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, DriftEvent, Timeline
@@ -182,8 +185,8 @@ def test_a_step_recorded_twice_reads_as_its_latest(tmp_path: Path) -> None:
 def test_record_from_a_closed_episode() -> None:
     timelines = make_record(2).timelines
     tracker = type("Tracker", (), {"timelines": timelines})()
-    episode = Episode(episode_id="ep-x", model="policy", tracker=tracker, task_id="t", group="g")  # type: ignore[arg-type]
-    episode.state, episode.reward, episode.ended_at, episode.metadata = "finished", 1.0, 5.0, {"a": 1}
+    episode = Episode(episode_id="ep-x", model="policy", tracker=tracker, task_id="t", group="g")
+    episode.state, episode.reward, episode.ended_at, episode.metadata = FINISHED, 1.0, 5.0, {"a": 1}
     record = EpisodeRecord.from_episode(episode)
     assert record.timelines == timelines and record.state == "finished" and record.reward == 1.0
     assert record.ended_at == 5.0 and record.started_at == episode.started_at and record.metadata == {"a": 1}

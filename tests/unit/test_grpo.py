@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
+from typing import TypedDict
 
 import pytest
 import torch
@@ -26,15 +28,25 @@ from ajet_hpc.algo import (
     turn_returns,
 )
 
-CLIP = {"clip_eps": 0.2, "clip_eps_high": 0.28}
+
+class Clip(TypedDict):
+    clip_eps: float
+    clip_eps_high: float
+
+
+class ClipKl(Clip):
+    kl_coef: float
+
+
+CLIP: Clip = {"clip_eps": 0.2, "clip_eps_high": 0.28}
 SQRT_1_5 = 1.2247449  # sqrt(3/2)
 
 
-def _t(rows: list[list[float]]) -> torch.Tensor:
+def _t(rows: Sequence[Sequence[float]] | Sequence[Sequence[Sequence[float]]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def _close(actual: torch.Tensor | float, expected: list | float, atol: float = 1e-6) -> None:
+def _close(actual: torch.Tensor | float | list[float], expected: list | float, atol: float = 1e-6) -> None:
     torch.testing.assert_close(
         torch.as_tensor(actual, dtype=torch.float32),
         torch.tensor(expected, dtype=torch.float32),
@@ -166,6 +178,7 @@ def test_gradient_flows_only_through_unclipped_tokens() -> None:
     loss, metrics = policy_loss(lp, torch.zeros(1, 5), adv, mask, **CLIP)
     loss.backward()
     _close(loss, -0.19)
+    assert lp.grad is not None
     _close(lp.grad, [[0.0, 0.0, -0.125, 0.375, 0.0]])
     assert metrics["clip_frac"] == 0.5 and metrics["tokens"] == 4.0
 
@@ -205,6 +218,7 @@ def test_masked_positions_with_extreme_values_stay_finite() -> None:
     )
     loss.backward()
     _close(loss, -1.0)
+    assert lp.grad is not None
     assert torch.isfinite(lp.grad).all() and lp.grad[0, 1] == 0.0
     assert metrics["kl"] == 0.0 and metrics["approx_kl"] == 0.0
 
@@ -218,7 +232,7 @@ def test_micro_batches_with_global_normalizer_add_up_to_the_full_batch() -> None
     adv = torch.randn(shape, generator=generator)
     mask = (torch.rand(shape, generator=generator) > 0.4).long()
     weights = torch.tensor([1.0, 0.5, 2.0, 1.5])
-    options = {"kl_coef": 0.05, **CLIP}
+    options: ClipKl = {"kl_coef": 0.05, **CLIP}
 
     full, _ = policy_loss(lp_full, old, adv, mask, ref_logprobs=ref, weights=weights, **options)
     full.backward()

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from ajet_hpc.algo import merge
-from ajet_hpc.algo.sample_tensors import Sample, collate
+from ajet_hpc.algo.sample_tensors import Ints, Sample, collate
 from ajet_hpc.engine.tiny import build_tokenizer
+
+
+def as_list(values: Ints | None) -> list[int]:
+    """A per-token field of a sample built (and merged) here from lists: the list itself."""
+    assert isinstance(values, list)
+    return values
 
 
 def call(prefix: list[int], answer: list[int], index: int, logprob: float, advantage: float) -> Sample:
@@ -55,7 +61,9 @@ def test_linear_merge_of_five_turns_gives_one_sample_trained_on_exactly_the_five
 
 def test_a_retried_turn_forks_into_a_second_sample() -> None:
     calls, _ = conversation(3)
-    retry = call(calls[1].token_ids[: calls[1].loss_mask.index(1)], [999, 998], 3, -2.0, -1.0)
+    retry = call(
+        as_list(calls[1].token_ids)[: as_list(calls[1].loss_mask).index(1)], [999, 998], 3, -2.0, -1.0
+    )
     merged, snaps = merge.merge_linear([*calls, retry])
     assert snaps == [] and len(merged) == 2
     main, fork = merged
@@ -64,7 +72,7 @@ def test_a_retried_turn_forks_into_a_second_sample() -> None:
 
 def test_the_same_answer_twice_stays_two_samples_and_is_reported() -> None:
     calls, _ = conversation(2)
-    twin = call(calls[0].token_ids[:20], calls[0].token_ids[20:], 2, -0.5, -1.0)
+    twin = call(as_list(calls[0].token_ids)[:20], as_list(calls[0].token_ids)[20:], 2, -0.5, -1.0)
     merged, snaps = merge.merge_linear([calls[0], twin, calls[1]])
     assert len(merged) == 2 and [s.reason for s in snaps] == [merge.DUPLICATE]
     assert sorted(sum(m.loss_mask) for m in merged) == [3, 3 + 4]  # the twin alone; turns 1 and 2
@@ -106,13 +114,15 @@ def test_text_level_needs_decode_and_a_known_level() -> None:
 
 def test_pack_tree_shares_prefixes_once_and_keeps_every_trained_token() -> None:
     calls, _ = conversation(3)
-    retry = call(calls[1].token_ids[: calls[1].loss_mask.index(1)], [999, 998], 3, -2.0, -1.0)
+    retry = call(
+        as_list(calls[1].token_ids)[: as_list(calls[1].loss_mask).index(1)], [999, 998], 3, -2.0, -1.0
+    )
     linear, _ = merge.merge_linear([*calls, retry])
     tree = merge.pack_tree(linear)
-    shared = calls[1].loss_mask.index(1)
+    shared = as_list(calls[1].loss_mask).index(1)
     assert len(tree) == len(linear[0]) + 2  # the fork adds only its own answer
     assert len(tree) == len(linear[0]) + len(linear[1]) - shared
-    assert sum(tree.loss_mask) == sum(s.loss_mask.count(1) for s in linear)
+    assert sum(tree.loss_mask) == sum(as_list(s.loss_mask).count(1) for s in linear)
     assert tree.calls == [0, 1, 2, 3] and tree.episode_id == "ep"
     # each branch, read along its parents, is exactly its original sequence
     for original in linear:
@@ -161,5 +171,5 @@ def _path(tree: Sample, i: int) -> list[int]:
     ids = []
     while i >= 0:
         ids.append(tree.token_ids[i])
-        i = tree.parents[i]
+        i = as_list(tree.parents)[i]
     return ids[::-1]

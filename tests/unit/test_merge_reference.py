@@ -17,10 +17,29 @@ from dataclasses import dataclass, field
 import pytest
 
 from ajet_hpc.algo import merge
-from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.algo.sample_tensors import Ints, Sample
 from ajet_hpc.engine import tiny, tiny_qwen
 from ajet_hpc.tracking.timeline import Timeline
 from ajet_hpc.trainer import episodes_to_samples as trainer_samples
+
+
+def _text(decoded: str | list[str]) -> str:
+    """``tokenizer.decode`` of one sequence (typed ``str | list[str]``: a list only for a batch)."""
+    assert isinstance(decoded, str)
+    return decoded
+
+
+def _token_id(found: int | list[int]) -> int:
+    """``tokenizer.convert_tokens_to_ids`` of one token (a list only for a list of tokens)."""
+    assert isinstance(found, int)
+    return found
+
+
+def _ids(token_ids: Ints) -> list[int]:
+    """The token ids of a sample built here from a list (merging keeps lists lists)."""
+    assert isinstance(token_ids, list)
+    return token_ids
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The reference: merge_linear and pack_tree as they were before they were made linear (per-token loops,
@@ -145,7 +164,7 @@ def ref_absorb(target: _RefMerged, sample: Sample, cut: int) -> merge.Snap | Non
     if exact:
         if any(sample.loss_mask[p] and target.loss_mask[p] for p in range(n)):
             return merge.Snap(
-                sample.episode_id, ref_first(sample.calls), ref_first(target.calls), merge.DUPLICATE, n
+                sample.episode_id, ref_own_call(sample.calls), ref_first(target.calls), merge.DUPLICATE, n
             )
         for p in range(n):
             if sample.loss_mask[p]:
@@ -158,7 +177,7 @@ def ref_absorb(target: _RefMerged, sample: Sample, cut: int) -> merge.Snap | Non
         return None
     if any(target.loss_mask[:cut]):  # the replaced tokens would carry loss of another call
         return merge.Snap(
-            sample.episode_id, ref_first(sample.calls), ref_first(target.calls), merge.DUPLICATE, n
+            sample.episode_id, ref_own_call(sample.calls), ref_first(target.calls), merge.DUPLICATE, n
         )
     weights, into = ref_token_weights(sample), ref_first(target.calls)
     target.token_ids = list(sample.token_ids) + target.token_ids[cut:]
@@ -169,11 +188,18 @@ def ref_absorb(target: _RefMerged, sample: Sample, cut: int) -> merge.Snap | Non
     target.calls.extend(sample.calls)
     target.policy_version = min(target.policy_version, sample.policy_version)
     target.text_ends = None  # the text is the same; its token boundaries changed
-    return merge.Snap(sample.episode_id, ref_first(sample.calls), into, merge.TEXT_TRUSTED, n)
+    return merge.Snap(sample.episode_id, ref_own_call(sample.calls), into, merge.TEXT_TRUSTED, n)
 
 
 def ref_first(calls: Sequence[int]) -> int | None:
     return min(calls) if calls else None
+
+
+def ref_own_call(calls: Sequence[int]) -> int:
+    """The call a sample stands for: every sample here names its call (`Snap.call` is an int)."""
+    call = ref_first(calls)
+    assert call is not None
+    return call
 
 
 def ref_pack_tree(samples: Sequence[Sample]) -> Sample:
@@ -235,7 +261,7 @@ def ref_pack_tree(samples: Sequence[Sample]) -> Sample:
     weights = [values[n][2] if trained[n] else 0.0 for n in layout]
     kept = [w for n, w in zip(layout, weights, strict=True) if trained[n]]
     uniform = not kept or all(w == kept[0] for w in kept)
-    parents = [-1 if parent[n] < 0 else position[parent[n]] for n in layout]
+    parents: list[int] | None = [-1 if parent[n] < 0 else position[parent[n]] for n in layout]
     if parents == list(range(-1, len(layout) - 1)):
         parents = None  # one chain: a plain sample, which trains with the plain causal mask (faster)
     return Sample(
@@ -401,14 +427,14 @@ def test_a_text_cut_never_ends_inside_a_character_split_over_byte_tokens() -> No
     tokenizer = tiny_qwen.build_tokenizer()
     byte_token = byte_characters()
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode(ids: Ints) -> str:
+        return _text(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def enc(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     prompt = enc("<|im_start|>user\nsmile<|im_end|>\n<|im_start|>assistant\n")
-    pieces = [tokenizer.convert_tokens_to_ids(byte_token[b]) for b in "🙂".encode()]
+    pieces = [_token_id(tokenizer.convert_tokens_to_ids(byte_token[b])) for b in "🙂".encode()]
     first = Sample(
         prompt + enc("ok 🙂"),
         [0] * len(prompt) + [1] * len(enc("ok 🙂")),
@@ -567,8 +593,8 @@ def test_text_merging_through_token_text_equals_the_reference(tokenizer) -> None
     token_text = TokenText(tokenizer)
     assert token_text.joins is not None  # both built-in tokenizers: the local comparison is what runs
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode(ids: Ints) -> str:
+        return _text(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     seen: dict[str, int] = {}
     prefixes = 0
@@ -582,7 +608,9 @@ def test_text_merging_through_token_text_equals_the_reference(tokenizer) -> None
         for a, text in zip(calls, texts, strict=True):  # explain_snaps' test: a call's text starts another's
             for b, other in zip(calls, texts, strict=True):
                 want = other.startswith(text)
-                assert merge.text_is_prefix(a.token_ids, b.token_ids, token_text) == want, f"seed {seed}"
+                assert merge.text_is_prefix(_ids(a.token_ids), _ids(b.token_ids), token_text) == want, (
+                    f"seed {seed}"
+                )
                 prefixes += want
         for snap in got[1]:
             seen[snap.reason] = seen.get(snap.reason, 0) + 1
@@ -598,10 +626,10 @@ def test_text_merging_through_token_text_where_spellings_part_inside_characters(
     tokenizer = tiny_qwen.build_tokenizer()
     token_text = TokenText(tokenizer)
     byte_token = byte_characters()
-    byte_ids = [tokenizer.convert_tokens_to_ids(byte_token[b]) for b in range(256)]
+    byte_ids = [_token_id(tokenizer.convert_tokens_to_ids(byte_token[b])) for b in range(256)]
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode(ids: Ints) -> str:
+        return _text(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def enc(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

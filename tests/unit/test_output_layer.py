@@ -85,6 +85,7 @@ def check_against_full(model, samples: list[Sample], chunk_tokens: int) -> None:
     )
     new_grads = torch.autograd.grad(torch.where(mask, new_lp * weights, 0.0).sum(), params)
 
+    assert new_ent is not None  # asked for
     assert mask.any()
     assert (new_lp[mask] - old_lp[mask]).abs().max() < TOL
     assert (new_ent[mask] - old_ent[mask]).abs().max() < TOL
@@ -159,6 +160,7 @@ def test_a_batch_without_trained_tokens_still_has_a_graph(llama) -> None:
     batch = collate(samples, pad_id=0)
     none = torch.zeros_like(batch["loss_mask"])
     logprobs, entropy = model_logprobs(llama, model_inputs(batch), none, chunk_tokens=8, entropy=True)
+    assert entropy is not None  # asked for
     assert not logprobs.any() and not entropy.any() and logprobs.requires_grad
     logprobs.sum().backward()  # what engine.backward needs: a loss connected to the forward
     with pytest.raises(ValueError, match="chunk_tokens"):
@@ -186,6 +188,7 @@ def test_padding_chunks_call_the_head_without_changing_values_or_gradients(llama
             grads = torch.autograd.grad((logp * torch.arange(9.0)).sum(), [hidden, head.weight])
             results.append((logp.detach(), entropy, grads, forward_calls, list(calls)))
         (lp0, ent0, g0, fwd0, all0), (lp6, ent6, g6, fwd6, all6) = results
+        assert ent0 is not None and ent6 is not None and entropy is not None  # asked for
         assert fwd0 == [3, 3, 3] and fwd6 == [3, 3, 3, 1, 1, 1]
         # the backward recomputes every chunk but the last, latest first
         assert all0[len(fwd0) :] == [3, 3] and all6[len(fwd6) :] == [1, 1, 3, 3, 3]

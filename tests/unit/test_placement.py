@@ -11,6 +11,7 @@ from support import REPO
 from ajet_hpc.config.placement import (
     RANK_GPUS_VAR,
     PlacementError,
+    PlacementMode,
     bind_rank_gpu,
     cpu_placement,
     plan_placement,
@@ -20,7 +21,9 @@ from ajet_hpc.config.placement import (
 from ajet_hpc.launch.cli import main
 
 
-def place(nodes: int, gpus: int, mode: str = "split", engine: int = 1, ranks: int = 1, trains: bool = True):
+def place(
+    nodes: int, gpus: int, mode: PlacementMode = "split", engine: int = 1, ranks: int = 1, trains: bool = True
+):
     return plan_placement(
         nodes=nodes, gpus_per_node=gpus, mode=mode, engine_gpus=engine, cpu_ranks=ranks, trains=trains
     )
@@ -29,7 +32,9 @@ def place(nodes: int, gpus: int, mode: str = "split", engine: int = 1, ranks: in
 @pytest.mark.parametrize("nodes", [1, 2, 4])
 @pytest.mark.parametrize("gpus", [1, 4, 8])
 @pytest.mark.parametrize("mode", ["split", "colocate"])
-def test_every_gpu_runs_one_rank_and_the_engine_sits_on_node_0(nodes: int, gpus: int, mode: str) -> None:
+def test_every_gpu_runs_one_rank_and_the_engine_sits_on_node_0(
+    nodes: int, gpus: int, mode: PlacementMode
+) -> None:
     if mode == "split" and nodes == 1 and gpus == 1:
         with pytest.raises(PlacementError) as refused:
             place(nodes, gpus, mode)

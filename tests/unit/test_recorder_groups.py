@@ -17,17 +17,17 @@ import pytest
 from test_episode_store import make_record, make_step
 
 from ajet_hpc.config import ServerConfig, StoreConfig
-from ajet_hpc.server.episodes import Episode
+from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.server.recorder import EpisodeRecorder
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 
 def _closed(i: int) -> Episode:
     """A closed server episode whose record is ``make_record(i)``."""
     record = make_record(i)
     tracker = type("Tracker", (), {"timelines": record.timelines})()
-    episode = Episode(episode_id=record.episode_id, model="policy", tracker=tracker)  # type: ignore[arg-type]
-    episode.state, episode.reward, episode.ended_at = "finished", 1.0, 5.0
+    episode = Episode(episode_id=record.episode_id, model="policy", tracker=tracker)
+    episode.state, episode.reward, episode.ended_at = FINISHED, 1.0, 5.0
     return episode
 
 
@@ -154,14 +154,14 @@ def test_callbacks_and_written_answer_after_the_commit_in_order(tmp_path: Path) 
 
 
 def test_store_config_reaches_the_recorder(tmp_path: Path) -> None:
-    server = ServerConfig(name="a", model="builtin:tiny", store={"commit_interval_ms": 2.0})
+    server = ServerConfig(name="a", model="builtin:tiny", store=StoreConfig(commit_interval_ms=2.0))
     recorder = EpisodeRecorder.from_config(tmp_path / "s.h5", server.store)  # as process.serve
     recorder.close()
     assert (recorder.commit_interval_s, recorder.commit_max) == (0.002, 64)
     assert ServerConfig(name="a", model="builtin:tiny").store == StoreConfig()
     for bad in ({"commit_max_episodes": 0}, {"commit_interval_ms": -1.0}, {"commit_every": 3}):
         with pytest.raises(ValueError, match=r"store\.commit"):
-            ServerConfig(name="a", model="builtin:tiny", store=bad)
+            ServerConfig(name="a", model="builtin:tiny", store=bad)  # type: ignore[arg-type]  # the bad input under test
     for name, field in StoreConfig.model_fields.items():
         assert field.description, name
 

@@ -9,6 +9,7 @@ import dataclasses
 import io
 import random
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 from test_batch_file import random_sample
 
 from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_arrays, binary_runs, is_binary, mask_runs
-from ajet_hpc.config import TrainerConfig
+from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.storage.records import StepRecord, encode_step
 from ajet_hpc.tracking.timeline import Timeline
@@ -134,9 +135,10 @@ def test_the_build_hands_out_arrays() -> None:
             reward=reward,
         )
 
-    for mode in ("linear", "none", "tree"):
+    modes: tuple[Literal["linear", "none", "tree"], ...] = ("linear", "none", "tree")
+    for mode in modes:
         batch = Batch(groups=[[episode(0, 1.0), episode(1, 0.0)]], dropped_ids=[])
-        samples, _ = build_samples(batch, TrainerConfig(merge={"mode": mode}))
+        samples, _ = build_samples(batch, TrainerConfig(merge=MergeConfig(mode=mode)))
         assert samples and not batch.invalid
         for sample in samples:
             for name, kind in ARRAY_TYPES.items():
@@ -145,5 +147,5 @@ def test_the_build_hands_out_arrays() -> None:
                 # none is a view of a larger array (the task group's zeros would stay alive with the step)
                 assert value is None or not isinstance(value.base, np.ndarray), (mode, name)
         if mode == "linear":
-            assert [s.loss_mask.tolist() for s in samples] == [[0, 0, 0, 1, 1, 0, 1]] * 2
+            assert [np.asarray(s.loss_mask).tolist() for s in samples] == [[0, 0, 0, 1, 1, 0, 1]] * 2
             assert samples[0].advantages[3] > 0 > samples[1].advantages[3]

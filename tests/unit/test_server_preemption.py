@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -15,7 +16,7 @@ from ajet_hpc.slurm import slurmcli
 
 
 @pytest.fixture()
-def fresh(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """A process state as at start, with scontrol replaced: returns the jobs requeued."""
     requeued: list[str] = []
     monkeypatch.setattr(slurmcli, "requeue", requeued.append)

@@ -119,6 +119,7 @@ def test_result_files_keep_the_former_json_and_read_back_typed(tmp_path: Path) -
         )
         write_result(work, result)
         written = read_json(work.result_file(step))
+        assert written is not None
         assert same_json(written, reference_result(step, metrics, old_weights, times)), step
         back = read_result(work, step)
         assert isinstance(back, StepResult)
@@ -126,7 +127,9 @@ def test_result_files_keep_the_former_json_and_read_back_typed(tmp_path: Path) -
         assert math.isnan(back.grad_norm) == math.isnan(result.grad_norm)
         # a file in the former layout reads the same
         write_json_atomic(work.result_file(step), reference_result(step, metrics, old_weights, times))
-        assert same_json(StepResult.from_json(read_json(work.result_file(step))).to_json(), result.to_json())
+        former = read_json(work.result_file(step))
+        assert former is not None
+        assert same_json(StepResult.from_json(former).to_json(), result.to_json())
 
 
 def test_a_result_names_the_field_it_lacks_or_has_wrong(tmp_path: Path) -> None:
@@ -287,6 +290,7 @@ def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
     first = commit(work, 5)
     assert first.first and first.previous is None
     second = commit(work, 10)
+    assert second.previous is not None
     assert (second.previous.step, second.previous.first, second.first) == (5, True, False)
     assert rank_files.read_trainer_state(work) == second  # the previous one read back typed
     third = commit(work, 15)
@@ -296,6 +300,7 @@ def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
     rank_files.uncommit_checkpoint(work, third.previous)
     shutil.rmtree(work.ds / "step-000015")
     again = commit(work, 15)
+    assert again.previous is not None
     assert again.previous.step == 10 and again.step == 15
     # a state written before `previous` existed reads as one that does not know what came before
     write_json_atomic(
@@ -332,6 +337,7 @@ def test_the_ranks_go_back_from_a_checkpoint_past_the_record(
     if why is None:
         assert reason is None and chosen is state
     else:
+        assert reason is not None
         assert why in reason and f"past step {recorded}, the last the server recorded" in reason
 
 

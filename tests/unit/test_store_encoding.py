@@ -157,7 +157,7 @@ def _variant(rng: random.Random, message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tools(x: Any, *, reverse: bool = False) -> list[dict[str, Any]]:
-    function = {"name": "f", "parameters": {"x": x, "y": "ünïcødé ✓"}}
+    function: dict[str, Any] = {"name": "f", "parameters": {"x": x, "y": "ünïcødé ✓"}}
     if reverse:
         function["parameters"] = dict(reversed(list(function["parameters"].items())))
     return [{"type": "function", "function": function}]
@@ -204,9 +204,9 @@ def random_record(rng: random.Random, index: int) -> EpisodeRecord:
                 token_authors=[rng.randrange(0, 4) for _ in range(n)],
                 loss_mask=[0] * len(prompt) + [1] * len(response)
                 if rng.random() < 0.8
-                else [rng.choice([0, 1, 1.0, True, False]) for _ in range(n)],  # several runs, any spelling
+                else [rng.choice([0, 1, 1.0, True, False]) for _ in range(n)],  # type: ignore[misc]  # any spelling
                 messages=messages if rng.random() < 0.8 else copy.deepcopy(messages),
-                tools=tools,
+                tools=tools,  # type: ignore[arg-type]  # an ndarray among them, under test
                 policy_version=rng.randrange(5),
                 finish_reason=rng.choice(["stop", "tool_calls", "length"]),
                 drift=[DriftEvent(0, "template", "d")] if rng.random() < 0.2 else [],

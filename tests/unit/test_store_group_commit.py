@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from test_episode_store import make_record, make_step
 
-from ajet_hpc.storage import episode_store
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter, StoreError, UnstorableRecord
-from ajet_hpc.storage.h5_layout import OFFSETS, ROWS
+from ajet_hpc.storage import episode_store_writer as episode_store
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter, UnstorableRecord
+from ajet_hpc.storage.h5_layout import OFFSETS, ROWS, StoreError
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord, _cat
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from test_episode_store import make_record, make_step
 
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter
 from ajet_hpc.storage.h5_layout import SEALED, SPACES
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 

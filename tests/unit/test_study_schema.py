@@ -91,6 +91,7 @@ def test_every_trial_override_validates_against_the_base(tmp_path) -> None:
     for point in expand(spec):
         topology = load_topology(base, spec.trial_overrides(point))
         trainer = topology.servers[0].trainer
+        assert trainer is not None
         assert trainer.total_steps == 3 and trainer.seed == point[SEED_PARAM]
         assert math.isclose(trainer.lr, point["servers.policy.trainer.lr"])
 

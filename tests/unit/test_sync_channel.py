@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -26,6 +27,16 @@ from ajet_hpc.trainer.sync_channel import (
 )
 
 
+class Waited(TypedDict, total=False):
+    up: bool  # what wait_for_engine returned
+    s: float  # how long it waited
+
+
+class Interrupted(TypedDict, total=False):
+    error: str  # the SyncInterrupted message
+    s: float  # how long the call waited before it
+
+
 def test_a_rank_waits_for_the_engine_then_its_calls_are_answered(tmp_path: Path) -> None:
     folder = tmp_path / "sync"
     folder.mkdir()
@@ -38,7 +49,7 @@ def test_a_rank_waits_for_the_engine_then_its_calls_are_answered(tmp_path: Path)
         calls.append((method, argument))
         return "ok"
 
-    waited: dict[str, object] = {}
+    waited: Waited = {}
 
     def rank() -> None:
         started = time.monotonic()
@@ -75,7 +86,7 @@ def test_a_call_waiting_when_the_job_ends_is_interrupted_and_never_run(tmp_path:
     folder = tmp_path / "sync"
     folder.mkdir()
     client = FileSyncClient(folder, timeout_s=60)
-    outcome: dict[str, object] = {}
+    outcome: Interrupted = {}
 
     def rank() -> None:
         started = time.monotonic()

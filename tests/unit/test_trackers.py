@@ -78,7 +78,8 @@ def wandb_history(path: Path) -> list[dict[str, str]]:
         payload += data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):  # FULL, LAST
-            record = wandb_internal_pb2.Record.FromString(payload)
+            # protobuf builds the module's message classes when it is imported: mypy sees none of them
+            record = wandb_internal_pb2.Record.FromString(payload)  # type: ignore[attr-defined]
             payload = b""
             if record.HasField("history"):
                 rows.append(
@@ -90,7 +91,7 @@ def wandb_history(path: Path) -> list[dict[str, str]]:
 def test_wandb_offline_runs_share_one_id_and_hold_every_step(logged: Path) -> None:
     files = sorted((logged / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and len({f.name for f in files}) == 1  # one W&B run, one file per server
-    seen: dict[str, list[float]] = {}
+    seen: dict[str, list[str]] = {}  # W&B's value_json texts
     for path in files:
         for row in wandb_history(path):
             for key, value in row.items():
@@ -109,6 +110,7 @@ def test_mlflow_file_store_has_one_run_with_both_models(
 
     client = MlflowClient(tracking_uri=(logged / "mlruns").as_uri())
     experiment = client.get_experiment_by_name("study-a")
+    assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     run_id = runs[0].info.run_id

@@ -72,7 +72,9 @@ def author_runs(tokenizer, ids: list[int], authors: list[int]) -> list[tuple[int
 @ON_BOTH
 def test_five_calls_with_tools_reuse_every_answer_verbatim(tokenizer) -> None:
     tracker = ContextTracker(tokenizer)
-    turns = [  # (reply message returned to the agent, what the agent adds next)
+    turns: list[
+        tuple[dict[str, Any], str | None]
+    ] = [  # (reply message returned to the agent, what the agent adds next)
         ({"content": None, "tool_calls": [call("get_weather", '{"city": "Paris"}')]}, "tool:sunny"),
         ({"content": "It is sunny."}, "user:And Rome?"),
         (
@@ -82,9 +84,12 @@ def test_five_calls_with_tools_reuse_every_answer_verbatim(tokenizer) -> None:
         ({"content": "Rainy in Rome."}, "user:Thanks!"),
         ({"content": "You're welcome."}, None),
     ]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
     previous: Timeline | None = None
-    responses = []
+    responses: list[list[int]] = []
     for reply, then in turns:
         sampled = sampled_text(tokenizer, reply)
         plan, timeline = serve(
@@ -143,7 +148,7 @@ def test_authors_per_token(tokenizer) -> None:
 
 
 def test_tool_preamble_is_system_and_tool_results_are_tool(tokenizer) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Go"},
         {"role": "assistant", "content": "", "tool_calls": [call("get_weather", "{}")]},
         {"role": "tool", "tool_call_id": "call_1", "content": "done"},
@@ -168,7 +173,7 @@ def test_answer_sampled_in_odd_tokens_is_reused_and_reported(tokenizer) -> None:
     # The model spelled the tag character by character; the text re-tokenizes to the added token <tool_call>.
     odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + encode(tokenizer, text[11:])
     assert tokenizer.decode(odd) == text and odd != encode(tokenizer, text)
-    messages = [{"role": "user", "content": "Weather?"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"}]
     serve(tracker, messages, reply, odd, TOOLS)
     messages += [reply, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     plan, _ = serve(
@@ -204,7 +209,11 @@ def test_same_reply_in_two_branches_reuses_each_branchs_own_tokens(tokenizer) ->
     for question, ids in branches.items():
         serve(tracker, [{"role": "user", "content": question}], reply, ids, TOOLS)
     for question, ids in branches.items():
-        messages = [{"role": "user", "content": question}, reply, {"role": "tool", "content": "ok"}]
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": question},
+            reply,
+            {"role": "tool", "content": "ok"},
+        ]
         plan = tracker.build_prompt(messages, TOOLS)
         ((start, end),) = plan.reused_spans
         assert plan.prompt_ids[start:end] == ids
@@ -322,7 +331,11 @@ def test_timeline_round_trips_through_json(tokenizer) -> None:
     odd = [tokenizer.convert_tokens_to_ids(char) for char in "<tool_call>"] + encode(tokenizer, text)[1:]
     reply = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", "{}")]}
     serve(tracker, [{"role": "user", "content": "Go"}], reply, odd, TOOLS)
-    messages = [{"role": "user", "content": "Go"}, reply, {"role": "tool", "content": "x"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Go"},
+        reply,
+        {"role": "tool", "content": "x"},
+    ]
     _, timeline = serve(
         tracker, messages, {"role": "assistant", "content": "ok"}, encode(tokenizer, "ok"), TOOLS
     )
@@ -351,7 +364,7 @@ def test_the_plan_owns_a_deep_copy_of_the_request_whatever_it_holds(tokenizer) -
     from ajet_hpc.tracking.context import owned_copy
 
     shared = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": shared}]},
         {"role": "tool", "content": "sunny", "extra": (1, 2.5, True, {"deep": [shared]})},

@@ -95,9 +95,9 @@ def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(seed
     assert torch.equal(listed, any_pair)
     full = torch.zeros_like(listed)
     for b in range(4):
-        for q in range(full.shape[1]):
-            count = int(block_mask.full_kv_num_blocks[b, 0, q])
-            full[b, q, block_mask.full_kv_indices[b, 0, q, :count].long()] = True
+        for row in range(full.shape[1]):  # query blocks
+            count = int(block_mask.full_kv_num_blocks[b, 0, row])
+            full[b, row, block_mask.full_kv_indices[b, 0, row, :count].long()] = True
     # (the last query block is partly past T, where the padded tiles hold False: compared for emptiness only)
     assert torch.equal(full[:, :-1], all_pairs[:, :-1])
     assert not (full & ~any_pair).any()

@@ -63,6 +63,7 @@ def test_rendezvous_without_the_new_fields_still_reads(tmp_path: Path) -> None:
     old = {"name": "policy", "url": "http://h:1", "host": "h", "port": 1, "pid": 2, "job_id": "3"}
     path.write_text(json.dumps({**old, "node": "g1", "state": "training", "format": 1}))
     record = rendezvous.read(path)
+    assert record is not None
     assert (record.step, record.last_step_at, record.reason, record.final) == (0, None, None, False)
     assert dataclasses.replace(record, state="failed").final
 

@@ -32,10 +32,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import httpx
 import openai
 import yaml
+from openai.types.chat import ChatCompletionAssistantMessageParam, ChatCompletionMessageParam
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -46,7 +48,7 @@ from proxy_procs import server_env  # noqa: E402  (the same environment as the p
 
 from ajet_hpc.client.handshake import fetch_run_token  # noqa: E402
 from ajet_hpc.storage import rendezvous  # noqa: E402
-from ajet_hpc.storage.episode_store import EpisodeReader  # noqa: E402
+from ajet_hpc.storage.episode_store_reader import EpisodeReader  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402
 
 MODEL = "policy"
@@ -54,7 +56,7 @@ now = time.perf_counter
 
 
 # ------------------------------------------------------------------------------------------- credentials
-def run_auth(url: str, secret: str) -> httpx.Auth | dict[str, str]:
+def run_auth(url: str, secret: str) -> dict[str, str]:
     """How the episode API's caller (holder of the run secret) proves who it is, as headers for httpx: a
     run token from the server's challenge (``ajet_hpc.client.handshake``); the secret itself is never sent."""
     return {"Authorization": f"Bearer {fetch_run_token(url, secret)}"}
@@ -213,7 +215,9 @@ async def agent(
         tally.begun += 1
         begun = reply.json()
         chat = llm.with_options(base_url=begun["base_url"], api_key=begun["api_key"])
-        messages = [{"role": "user", "content": f"agent {index}, episode {episode}: count to three"}]
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": f"agent {index}, episode {episode}: count to three"}
+        ]
         for turn in range(turns):
             started = now()
             try:
@@ -228,7 +232,9 @@ async def agent(
                 break
             tally.note("chat", 200)
             tally.chat_ms.append((now() - started) * 1e3)
-            messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+            # the reply as the next request's assistant message (the fields of both are OpenAI's)
+            reply_message = completion.choices[0].message.model_dump(exclude_none=True)
+            messages.append(cast(ChatCompletionAssistantMessageParam, reply_message))
             messages.append({"role": "user", "content": f"and now turn {turn + 2}"})
         started = now()
         reward = (index + episode) % 5 / 4
@@ -256,7 +262,9 @@ async def drive(url: str, secret: str, agents: int, seconds: float, turns: int) 
     )
     tally = Tally()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as http:
-        llm = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+        # openai's stub types http_client as httpx2.AsyncClient only; it accepts httpx's too (at runtime:
+        # is_legacy_httpx_async_client)
+        llm = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)  # type: ignore[arg-type]
         started = tally.started = now()
         stop_at = started + seconds
         await asyncio.gather(*(agent(i, http, llm, auth, stop_at, turns, tally) for i in range(agents)))

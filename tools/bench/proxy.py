@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -164,7 +165,7 @@ def bench_vllm(plan: Plan, model_dir: Path, workdir: Path, secret: str) -> dict:
     stop(ours)
     stop(theirs)
 
-    def summary(side: str) -> dict:
+    def summary(side: str) -> dict[str, float]:
         windows = results[side]
         requests = sum(w.requests for w in windows)
         return {
@@ -178,7 +179,8 @@ def bench_vllm(plan: Plan, model_dir: Path, workdir: Path, secret: str) -> dict:
             "foreign": max(w.foreign_cpu for w in windows),
         }
 
-    out = {side: summary(side) for side in results}
+    # each side's summary, then the figures across the sides (``paired``: the ratio of each pair of windows)
+    out: dict[str, Any] = {side: summary(side) for side in results}
     out["paired"] = [o.tps / v.tps for o, v in zip(results["ours"], results["vllm"], strict=True) if v.tps]
     # the median of the per-pair ratios: each pair ran back to back, so slow drifts of the machine cancel
     out["ratio"] = statistics.median(out["paired"]) if out["paired"] else float("nan")

@@ -43,6 +43,7 @@ class Conn:
         if not reused:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
         reader, writer = self.reader, self.writer
+        assert reader is not None and writer is not None  # opened together, closed together
         try:
             writer.write(raw)
             try:

@@ -44,11 +44,13 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
     )
     tokenizer = engine.tokenizer
     episode = ctx.episodes.begin("bench", None, {})
+    tracker = episode.tracker
+    assert tracker is not None, "a begun episode tracks its context"
     header = f"Bearer {issue_episode_token(secret, episode.episode_id, MODEL, 3600)}"
     raw = json.dumps(chat_body(16)).encode()
     request = p.ChatCompletionRequest.model_validate_json(raw)
     messages = [message.for_template() for message in request.messages]
-    plan = episode.tracker.build_prompt(messages)
+    plan = tracker.build_prompt(messages)
     response = loop.run_until_complete(ctx.service.chat(request, episode))
     [answer] = loop.run_until_complete(ctx.service.generate_all(plan, request, "x"))
 
@@ -63,7 +65,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
     agent_tracker.build_prompt(agent3)
     long_text = ("The quick brown fox jumps over the lazy dog. " * 45)[:2000]  # 2,000 tokens (1 per char)
     long_messages = [{"role": "user", "content": long_text}]
-    long_plan = episode.tracker.build_prompt(long_messages)
+    long_plan = tracker.build_prompt(long_messages)
 
     def end_one() -> None:
         ctx.episodes.end(ctx.episodes.begin("bench", None, {}).episode_id, 1.0, None, None, {})
@@ -81,7 +83,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
             "chat template alone (apply_chat_template)",
             lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
         ),
-        ("tracker.build_prompt, 1 turn, warm episode", lambda: episode.tracker.build_prompt(messages)),
+        ("tracker.build_prompt, 1 turn, warm episode", lambda: tracker.build_prompt(messages)),
         (
             "tracker.build_prompt, 1 turn, new episode",
             lambda: ContextTracker(tokenizer).build_prompt(messages),
@@ -89,20 +91,20 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
         ("tracker.build_prompt, turn 2 (1 answer spliced)", lambda: agent_tracker.build_prompt(agent3)),
         (
             "tracker.build_prompt, 1 turn of 2,000 tokens, warm",
-            lambda: episode.tracker.build_prompt(long_messages),
+            lambda: tracker.build_prompt(long_messages),
         ),
         (
             "tracker.record (timeline copy)",
             lambda: (
-                ContextTracker.record(episode.tracker, plan, [8, 9, 4], [-0.5] * 3, reply, "stop", 0)
-                and episode.tracker._timelines.pop()
+                ContextTracker.record(tracker, plan, [8, 9, 4], [-0.5] * 3, reply, "stop", 0)
+                and tracker._timelines.pop()
             ),
         ),
         (
             "tracker.record, 2,000-token prompt",
             lambda: (
-                ContextTracker.record(episode.tracker, long_plan, [8, 9, 4], [-0.5] * 3, reply, "stop", 0)
-                and episode.tracker._timelines.pop()
+                ContextTracker.record(tracker, long_plan, [8, 9, 4], [-0.5] * 3, reply, "stop", 0)
+                and tracker._timelines.pop()
             ),
         ),
         ("loop.run_until_complete(no-op) (in the rows below)", lambda: loop.run_until_complete(noop())),
@@ -120,10 +122,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
         ),
         (
             "Service.chat, whole (to_thread included)",
-            lambda: (
-                loop.run_until_complete(ctx.service.chat(request, episode))
-                and episode.tracker._timelines.pop()
-            ),
+            lambda: loop.run_until_complete(ctx.service.chat(request, episode)) and tracker._timelines.pop(),
         ),
         (
             "response: jsonable_encoder + json.dumps (FastAPI, no response_model)",

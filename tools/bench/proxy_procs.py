@@ -230,6 +230,7 @@ def serve_main(argv: list[str]) -> int:
         sys.setswitchinterval(float(os.environ[SWITCH_ENV]))
     from ajet_hpc.server.app import ServerContext, create_app
 
+    engine: Engine
     if args.engine == "vllm":
         from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 

@@ -62,6 +62,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parents[1]
@@ -73,10 +74,11 @@ import merge as merge_bench  # noqa: E402  (tools/bench/merge.py: the episode ge
 
 from ajet_hpc.algo import merge  # noqa: E402
 from ajet_hpc.algo.detokenize import TokenText  # noqa: E402
-from ajet_hpc.config import TrainerConfig  # noqa: E402
+from ajet_hpc.config import MergeConfig, TrainerConfig  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
 from ajet_hpc.server.episodes import FINISHED, Episode  # noqa: E402
 from ajet_hpc.storage.records import StepRecord, encode_step  # noqa: E402
+from ajet_hpc.tracking.episode import EpisodeData  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 from ajet_hpc.trainer import metrics  # noqa: E402
 from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
@@ -89,6 +91,9 @@ from ajet_hpc.trainer.episodes_to_samples import (  # noqa: E402
 )
 from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
 from ajet_hpc.trainer.rank_files import TrainerChannel, encode_batch  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 GROUP_SIZE = 8  # episodes per task group (repeats)
 FORK_EVERY = 4  # every fourth episode is the forked variant
@@ -145,6 +150,7 @@ def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> t
     ``synth``: ``merge.py``'s ``Synth`` (tiny model, 1.5k-token system prompt, every fourth episode forked).
     """
     rng = random.Random(seed)
+    tokenizer: PreTrainedTokenizerBase
     if kind == "group":
         from ajet_hpc.engine.tiny_qwen import build_tokenizer
 
@@ -161,7 +167,9 @@ def workload(episodes: int, turns: int, kind: str = "group", seed: int = 0) -> t
         system = merge_bench.SYSTEM_TOKENS
 
         def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            assert isinstance(text, str), "one sequence decodes to one string"
+            return text
 
         calls = [synth.episode(turns, e % FORK_EVERY == FORK_EVERY - 1, f"ep{e}") for e in range(episodes)]
     built = [
@@ -226,7 +234,9 @@ def one_step(
     return times
 
 
-def build_parts(groups: list[list[Episode]], config: TrainerConfig, decode: TokenText) -> dict[str, float]:
+def build_parts(
+    groups: list[list[EpisodeData]], config: TrainerConfig, decode: TokenText
+) -> dict[str, float]:
     """``build_samples``'s parts run on their own, in its order: the per-episode record checks, call samples,
     merging, packing."""
     started = time.perf_counter()
@@ -292,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     config = TrainerConfig(
         tasks_per_batch=len(episodes) // GROUP_SIZE,
         repeats=GROUP_SIZE,
-        merge={"mode": args.merge},
+        merge=MergeConfig(mode=args.merge),
         total_steps=10**6,
     )
     runs: list[dict[str, float]] = []
@@ -310,8 +320,8 @@ def run(args: argparse.Namespace) -> int:
             )
     med = {p: statistics.median(r[p] for r in runs) for p in ("coordinator", "critical", *PHASES)}
     print(f"\nmedian of {args.repeats}, seconds:")
-    shown = ("collect", "build", "  faults", "  samples", "  merge", "  pack", "  rest", "encode", "handover")
-    shown += ("record",)
+    shown: tuple[str, ...] = ("collect", "build", "  faults", "  samples", "  merge", "  pack", "  rest")
+    shown += ("encode", "handover", "record")
     for phase in (*shown, "coordinator", "critical"):
         name = phase.strip()
         spread = f"{min(r[name] for r in runs):.3f}-{max(r[name] for r in runs):.3f}"

@@ -39,6 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ajet_hpc.server.recorder import EpisodeRecorder  # noqa: E402
-from ajet_hpc.storage.episode_store import EpisodeReader, EpisodeWriter  # noqa: E402
+from ajet_hpc.storage.episode_store_reader import EpisodeReader  # noqa: E402
+from ajet_hpc.storage.episode_store_writer import EpisodeWriter  # noqa: E402
 from ajet_hpc.storage.records import EpisodeRecord  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 
@@ -56,7 +58,7 @@ SPECIAL = VOCAB  # scaffolding ids above the vocabulary: <|im_start|>, <|im_end|
 TURNS, SYSTEM_LEN, USER_LEN, ANSWER_LEN, TOOL_LEN = 5, 300, 40, 60, 120
 READS = 200
 GROUP = 64  # episodes arriving together
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [  # JSON, as `Timeline.tools`
     {
         "type": "function",
         "function": {
@@ -122,10 +124,11 @@ def episode(corpus: Corpus, index: int) -> EpisodeRecord:
         prompt = [*ids, SPECIAL, SPECIAL + 4]
         prompt_authors = [*authors, SYSTEM, SYSTEM]
         response = [*answer, SPECIAL + 1]
+        reply: dict[str, object]
         if final:
             reply = {"role": "assistant", "content": answer_text}
         else:
-            call = {"id": f"call_{index}_{turn}", "type": "function"}
+            call: dict[str, object] = {"id": f"call_{index}_{turn}", "type": "function"}
             call["function"] = {
                 "name": TOOLS[turn % 3]["function"]["name"],
                 "arguments": json.dumps({"query": answer_text}),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -32,15 +31,15 @@ from pathlib import Path
 import torch
 
 from ajet_hpc.algo.sample_tensors import Sample
-from ajet_hpc.config.placement import cpu_placement, plan_placement
+from ajet_hpc.config.placement import PlacementMode, cpu_placement, plan_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer import weight_sync
-from ajet_hpc.trainer.rank_files import TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.sync_plan import DISK, SyncBackend, SyncPlan
 
 SHAPES = {
     # the smoke test's: the same vocabulary and ties, two narrow layers (the figures mean nothing)
@@ -90,7 +89,7 @@ def build(dest: Path, shape: str, dtype: torch.dtype) -> tuple[Path, int]:
     return dest, sum(p.numel() for p in model.parameters())
 
 
-def backend_of(device: str) -> str:
+def backend_of(device: str) -> SyncBackend:
     if device == "cpu":
         return "ajet_gloo"
     return "ipc" if torch.cuda.device_count() == 1 else "nccl"
@@ -109,11 +108,9 @@ def batch(step: int) -> list[Sample]:
 
 async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bool) -> list[dict]:
     config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, weight_sync_bucket_mb=args.bucket_mb)
-    env = dict(os.environ)
-    server = None
+    sync, server = DISK, None
     if memory:
-        env[weight_sync.BACKEND_VAR] = backend_of(args.device)
-        env[weight_sync.WORKERS_VAR] = "1"
+        sync = SyncPlan(backend_of(args.device), 1)
         clear(WorkDir(work).sync)
         server = asyncio.get_running_loop().create_task(
             SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
@@ -122,10 +119,10 @@ async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bo
         placement = cpu_placement(1)
     else:  # one GPU: engine and rank share it (CUDA IPC); more: the rank on its own GPU (NCCL)
         gpus = torch.cuda.device_count()
-        mode = "colocate" if gpus == 1 else "split"
+        mode: PlacementMode = "colocate" if gpus == 1 else "split"
         placement = plan_placement(nodes=1, gpus_per_node=min(gpus, 2), mode=mode, engine_gpus=1, cpu_ranks=1)
     log = work / "ranks.log"
-    proc = start_ranks(work, model, config, on_slurm=False, placement=placement, log_path=log, env=env)
+    proc = start_ranks(work, model, config, on_slurm=False, placement=placement, log_path=log, sync=sync)
     channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
     rows = []
     try:
@@ -134,8 +131,12 @@ async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bo
             channel.submit(step, batch(step))
             result = await channel.wait_result(step, timeout_s=900)
             if memory:
+                assert isinstance(result.weights, MemoryWeights), (
+                    f"memory path, {result.weights.kind} weights"
+                )
                 rows.append({"sync_s": result.weights.send_s, "pause_s": engine.last_pause_s})
             else:
+                assert isinstance(result.weights, DiskWeights), f"disk path, {result.weights.kind} weights"
                 started = time.monotonic()
                 await engine.load_weights(result.weights.folder, step)
                 reload_s = time.monotonic() - started

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ajet_hpc.engine.base import Chunk, EngineError, SamplingParams, fit_max_tokens
+from ajet_hpc.engine.base import Chunk, EngineError, FinishReason, SamplingParams, fit_max_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,6 +52,12 @@ class ZeroEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    async def sleep(self) -> float:
+        return 0.0  # nothing to free
+
+    async def wake_up(self) -> float:
+        return 0.0
+
     async def start(self) -> None:
         if self._tokenizer is not None:
             return
@@ -74,7 +80,7 @@ class ZeroEngine:
             raise EngineError("the engine is not started: call start() first")
         room = fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
         ids = self._ids[:room]
-        finish = "stop" if len(ids) == len(self._ids) else "length"
+        finish: FinishReason = "stop" if len(ids) == len(self._ids) else "length"
         yield Chunk(list(ids), self._logprobs[: len(ids)], finish)
 
     async def abort(self, request_id: str) -> None:

@@ -29,7 +29,7 @@ from support import jobs_ended, recorded_steps, run_module, topology_dict, wait_
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.client_store import read_results
-from ajet_hpc.storage.episode_store import EpisodeReader
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer import metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
@@ -103,6 +103,12 @@ def committed(run: Path, index: int) -> list[tuple[str, int]]:
     return [r.key for r in read_results(path)] if path.exists() else []
 
 
+def server_record(run: Path) -> rendezvous.Rendezvous:
+    record = rendezvous.read(run / "servers" / "policy.json")
+    assert record is not None, "the server left no rendezvous"
+    return record
+
+
 def test_killed_rank_and_runner_recover_and_the_run_ends_when_tasks_run_out(tmp_path: Path) -> None:
     """kill -9 of a trainer rank (restart from the checkpoint), kill -9 of a client runner (restarted in
     its allocation, resumes from its store), and a task source of 2 epochs that runs out before
@@ -124,8 +130,8 @@ def test_killed_rank_and_runner_recover_and_the_run_ends_when_tasks_run_out(tmp_
         wait_until(lambda: jobs_ended(server_id, client_id), 600, "every job to end")
         assert states(server_id) == ["COMPLETED"] and states(client_id) == ["COMPLETED", "COMPLETED"]
 
-        record = rendezvous.read(run / "servers" / "policy.json")
-        assert record.state == "finished", record
+        record = server_record(run)
+        assert record.state == "finished" and record.reason is not None, record
         found = re.fullmatch(
             r"task sources exhausted at step (\d+) of 30 \(2 client task\(s\) .*\)", record.reason
         )
@@ -164,8 +170,9 @@ def test_rank_killed_past_max_restarts_fails_the_server_and_stops_every_job(tmp_
         wait_until(lambda: jobs_ended(server_id, client_id), 300, "every job to end")
         assert states(server_id) == ["FAILED"] and states(client_id) == ["FAILED", "FAILED"]
 
-        record = rendezvous.read(run / "servers" / "policy.json")
-        assert record.state == "failed" and "trainer.max_restarts=0" in record.reason, record
+        record = server_record(run)
+        assert record.state == "failed" and record.reason is not None, record
+        assert "trainer.max_restarts=0" in record.reason, record
         last = record.step
         assert last >= 1 and recorded_steps(run) == list(range(1, last + 1))
         assert store_steps(run) == list(range(1, last + 1))
@@ -193,7 +200,7 @@ def test_killed_vllm_engine_core_requeues_the_server_which_resumes_and_finishes(
     run, server_id, client_id = launch(tmp_path, data)
     try:
         wait_until(lambda: len(recorded_steps(run)) >= 2, 400, "step 2")
-        server_pid = rendezvous.read(run / "servers" / "policy.json").pid
+        server_pid = server_record(run).pid
         cores = [
             p
             for p in psutil.Process(server_pid).children(recursive=True)
@@ -212,6 +219,6 @@ def test_killed_vllm_engine_core_requeues_the_server_which_resumes_and_finishes(
         assert metrics.read_events(run / "metrics.jsonl") == []  # not a failure of the ranks: no restart
         out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout
         assert "Restarts=1" in out
-        assert rendezvous.read(run / "servers" / "policy.json").state == "finished"
+        assert server_record(run).state == "finished"
     finally:
         subprocess.run(["scancel", server_id, client_id], check=False, capture_output=True)
