@@ -262,7 +262,7 @@ async def drive(url: str, secret: str, agents: int, seconds: float, turns: int) 
     )
     tally = Tally()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as http:
-        # openai's stub types http_client as httpx2.AsyncClient only; it accepts httpx's too (at runtime:
+        # openai's annotations type http_client as httpx2.AsyncClient; it takes httpx's too (at runtime:
         # is_legacy_httpx_async_client)
         llm = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)  # type: ignore[arg-type]
         started = tally.started = now()
