@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -19,10 +20,12 @@ from ajet_hpc.server import challenge, watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.gate import RequestGate
-from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.server.router import router
 from ajet_hpc.server.serving import Service
-from ajet_hpc.trainer.coordinator import Coordinator
+
+if TYPE_CHECKING:  # the server builds both in server/assembly.py; the HTTP front does not import them
+    from ajet_hpc.server.recorder import EpisodeRecorder
+    from ajet_hpc.trainer.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
