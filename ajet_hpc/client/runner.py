@@ -121,7 +121,7 @@ class GroupTask:
         self.tally = Tally()
         self.ended: dict[str, dict[tuple[str, int], dict]] = {}  # server -> keys it ended, with results
         self.ends = 0  # episodes ended at every server (the test hook counts them)
-        store_path = run.client_store_dir(group.name) / f"{index}.h5"
+        store_path = run.client_store(group.name, index)
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = ClientStore.open(store_path, group=group.name, index=index)
 

@@ -362,7 +362,7 @@ def check_agent(spec: str, python: str | None = None) -> None:
 def _swap_lock(run: RunDir, topology: Topology) -> Iterator[None]:
     """One swap of a run at a time (RUN/swap.lock, created exclusively; a dead holder's is taken over), on
     the topology the swap was checked against (not one another swap changed meanwhile)."""
-    path = run.root / "swap.lock"
+    path = run.swap_lock_file
     mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
     for _ in range(2):
         try:

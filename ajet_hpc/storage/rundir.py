@@ -8,6 +8,7 @@ Layout (see docs/architecture.md)::
     RUN/topology.yaml        resolved topology, frozen at first launch (changed only by --force and by
                              hot swaps of client groups, the earlier one kept as topology.<time>.yaml)
     RUN/swaps.jsonl          one row per hot swap or added client group
+    RUN/swap.lock            held by the hot swap under way
     RUN/secret               mode 0600, the key of every token of this run
     RUN/jobs.json            jobs submitted for this run (backend, ids, log folders)
     RUN/servers/<name>.json  rendezvous of each server (written by rename)
@@ -78,6 +79,11 @@ class RunDir:
         return self.root / "swaps.jsonl"
 
     @property
+    def swap_lock_file(self) -> Path:
+        """Held (created exclusively) by the one hot swap of the run under way (``launch.swap``)."""
+        return self.root / "swap.lock"
+
+    @property
     def servers_dir(self) -> Path:
         return self.root / "servers"
 
@@ -92,6 +98,10 @@ class RunDir:
     def client_store_dir(self, group: str) -> Path:
         """Where a client group keeps its stores: ``data/clients/<group>/<index>.h5``."""
         return self.data_dir / "clients" / group
+
+    def client_store(self, group: str, index: int) -> Path:
+        """Array task ``index`` of ``group``'s client store (``data/clients/<group>/<index>.h5``)."""
+        return self.client_store_dir(group) / f"{index}.h5"
 
     def client_end_file(self, group: str, index: int) -> Path:
         """Written once array task ``index`` of ``group`` has nothing left to run (``storage.task_ends``)."""
