@@ -210,4 +210,10 @@ def test_preempted_server_is_requeued_by_submitits_signal(tmp_path: Path, cleanu
     out = subprocess.run(["scontrol", "show", "job", server_id], capture_output=True, text=True).stdout
     assert "Restarts=1" in out
     log = (run / "logs" / "server-policy" / f"{server_id}_0_log.out").read_text()
-    assert "this job is preempted" in log and f"Requeued job {server_id}" in log
+    assert "this job is preempted" in log and "Calling checkpoint method" in log
+    # submitit logs "Requeued job N" once `scontrol requeue` returns; but slurmctld may requeue the job
+    # and SIGTERM its processes, the scontrol child among them, before that child exits (seen in CI).
+    # Then Slurm's own line of the step's cancellation is the record that the requeue went through.
+    assert f"Requeued job {server_id}" in log or (
+        f"JOB {server_id} ON g1 CANCELLED" in log and "DUE TO JOB REQUEUE" in log
+    )
