@@ -165,6 +165,39 @@ class MergeConfig(BaseModel):
     )
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's ``max_lora_rank`` takes (its LoRA kernels are built for these)."""
+
+DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """A LoRA adapter trained on a frozen base model (peft); docs/lora.md."""
+
+    model_config = _MODEL_CONFIG
+
+    rank: int = Field(default=16, ge=1, le=512, description="Rank r of the adapter's A and B matrices.")
+    alpha: int = Field(default=32, gt=0, description="Scaling: the update is scaled by alpha / rank.")
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input while training. 0 (the default) keeps the trainer's "
+        "log-probabilities those the engine samples with; above 0 the ratio of new to old policy is noisy.",
+    )
+    target_modules: tuple[str, ...] = Field(
+        default=DEFAULT_LORA_MODULES,
+        min_length=1,
+        description="Names of the linear layers that get an adapter (the last part of the module name); "
+        "each must exist in the model, checked before submitting.",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _listed(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, list) else value
+
+
 class TrainerConfig(BaseModel):
     """The trainer that runs next to a server's engine (GRPO on DeepSpeed ZeRO)."""
 
@@ -255,6 +288,11 @@ class TrainerConfig(BaseModel):
     total_steps: int = Field(default=100, ge=1, description="Training steps after which the run is done.")
     save_every: int = Field(default=10, ge=1, description="Checkpoint every this many steps.")
     seed: int = Field(default=0, ge=0, description="Random seed of the trainer.")
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="Train a LoRA adapter on the frozen model instead of all its weights; absent: full "
+        "fine-tuning. docs/lora.md.",
+    )
     max_restarts: int = Field(
         default=3,
         ge=0,
@@ -360,6 +398,23 @@ class VllmConfig(BaseModel):
         default=None,
         description="No CUDA graphs; null: eager on CPUs, CUDA graphs on GPUs (faster, slower to start).",
     )
+    max_loras: int = Field(
+        default=1,
+        ge=1,
+        description="With trainer.lora: adapters vLLM holds on the device at once (one per trained adapter).",
+    )
+    max_lora_rank: Annotated[int, NotBool] | None = Field(
+        default=None,
+        description="With trainer.lora: the largest adapter rank vLLM serves, one of "
+        f"{', '.join(map(str, VLLM_LORA_RANKS))}; null: the smallest that holds trainer.lora.rank.",
+    )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _known_rank(cls, value: int | None) -> int | None:
+        if value is not None and value not in VLLM_LORA_RANKS:
+            raise ValueError(f"must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's LoRA ranks)")
+        return value
 
 
 class StoreConfig(BaseModel):
@@ -606,8 +661,37 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
                 )
     issues += _mix_issues(topology)
     issues += _placement_issues(topology)
+    issues += _lora_issues(topology)
     if envs_dir is not None:
         issues += _missing_envs(topology, envs_dir)
+    return issues
+
+
+def lora_rank_limit(server: ServerConfig) -> int | None:
+    """The ``max_lora_rank`` the server's vLLM engine is built with: the configured one, else the smallest
+    of vLLM's ranks that holds the adapter's; None without ``trainer.lora``."""
+    lora = server.trainer.lora if server.trainer is not None else None
+    if lora is None:
+        return None
+    if server.vllm.max_lora_rank is not None:
+        return server.vllm.max_lora_rank
+    return min((r for r in VLLM_LORA_RANKS if r >= lora.rank), default=VLLM_LORA_RANKS[-1])
+
+
+def _lora_issues(topology: Topology) -> list[ConfigIssue]:
+    """An adapter rank above the engine's ``max_lora_rank``."""
+    issues = []
+    for i, server in enumerate(topology.servers):
+        lora = server.trainer.lora if server.trainer is not None else None
+        limit = lora_rank_limit(server)
+        if lora is not None and limit is not None and lora.rank > limit:
+            issues.append(
+                ConfigIssue(
+                    f"servers[{i}].trainer.lora.rank",
+                    f"rank {lora.rank} is above servers[{i}].vllm.max_lora_rank={limit}: vLLM would refuse "
+                    "the adapter; raise max_lora_rank or lower the rank",
+                )
+            )
     return issues
 
 

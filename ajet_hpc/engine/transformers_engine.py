@@ -4,7 +4,9 @@ For debugging and for machines without vLLM. Requests are served one at a time, 
 single worker thread (the event loop never blocks); a request waiting its turn can still be aborted.
 `load_weights` runs on the same thread, so it takes effect between requests. Sampling follows vLLM's
 rules (greedy below ``GREEDY_EPS``, then temperature, then top-p), and the reported log-probabilities
-are raw (see `ajet_hpc.engine.base`).
+are raw (see `ajet_hpc.engine.base`). With ``lora_adapter`` the model is wrapped by peft with that
+adapter (the version-0 one, `ajet_hpc.engine.adapter`), and `load_weights` of an adapter folder replaces
+the adapter's tensors in place (``set_peft_model_state_dict``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ajet_hpc.engine.adapter import kind_mismatch
 from ajet_hpc.engine.base import (
     Chunk,
     EngineError,
@@ -51,6 +54,9 @@ class TransformersSettings:
     """torch device: "auto" is cuda when available, else cpu."""
     seed: int = 0
     """Seeds the random stream of requests that give no seed of their own."""
+    lora_adapter: str | None = None
+    """A peft adapter folder: serve the model with a LoRA adapter, starting with this one; None: the
+    model's own weights."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -121,11 +127,14 @@ class TransformersEngine(EngineLifecycle):
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=getattr(torch, dtype), local_files_only=True
         )
-        # transformers wraps to() in functools.wraps, which typeshed types as unbound (self is the device)
-        self._model = model.to(device).eval()  # type: ignore[arg-type]
+        if settings.lora_adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, settings.lora_adapter, is_trainable=False)
+        self._model = model.to(device).eval()
         self._device = torch.device(device)
         self.max_model_len = min(settings.max_model_len, model.config.max_position_embeddings)
         self._eos_ids = _eos_ids(self._tokenizer, model)
@@ -245,6 +254,13 @@ class TransformersEngine(EngineLifecycle):
         loaded: dict[str, torch.Tensor] = {}
         for file in files:
             loaded.update(load_file(file))
+        served = self.settings.lora_adapter is not None
+        mismatch = kind_mismatch(path, served)
+        if mismatch is not None:
+            raise EngineError(mismatch)
+        if served:
+            self._copy_adapter(path, loaded)
+            return
         params = self._model.state_dict()
         unexpected = sorted(set(loaded) - set(params))
         if unexpected:
@@ -261,6 +277,24 @@ class TransformersEngine(EngineLifecycle):
                         f"{tuple(params[name].shape)} in the model"
                     )
                 params[name].copy_(tensor)
+
+    def _copy_adapter(self, path: Path, loaded: dict[str, torch.Tensor]) -> None:
+        """Replace the served adapter's tensors with those of the folder (the same modules and ranks)."""
+        import torch
+        from peft import set_peft_model_state_dict
+
+        try:
+            with torch.no_grad():
+                result: Any = set_peft_model_state_dict(self._model, loaded)
+        except RuntimeError as error:  # a shape that differs (another rank)
+            raise EngineError(f"load_weights: adapter {path} does not fit the served one: {error}") from error
+        unexpected = sorted(result.unexpected_keys)
+        missing = sorted(k for k in result.missing_keys if "lora_" in k)
+        if unexpected or missing:
+            raise EngineError(
+                f"load_weights: adapter {path} does not match the served one: holds {unexpected[:3]} the "
+                f"model lacks, lacks {missing[:3]}"
+            )
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

@@ -9,6 +9,11 @@ Weights are reloaded in place (`load_weights`, through our worker extension ``vl
 engine steps, with generation paused, and the KV cache of requests in flight is recomputed with the new
 weights: every token sampled after ``load_weights`` returns comes from the new weights. With placement
 colocate the engine sleeps (vLLM sleep mode, level 1) while the trainer's ranks use the GPUs.
+
+With ``lora_adapter`` the engine serves a LoRA adapter of its base model (vLLM's multi-LoRA, ``enable_lora``):
+every request runs with the adapter, which starts as the given folder (the version-0 adapter,
+`ajet_hpc.engine.adapter`) and is replaced in place (``add_lora`` with ``load_inplace``) when
+`load_weights` gets a newer adapter folder, under the same pause, prefix-cache reset and version tag.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from ajet_hpc.engine.adapter import kind_mismatch
 from ajet_hpc.engine.base import (
     Chunk,
     EngineError,
@@ -75,6 +81,15 @@ class VllmSettings:
     weight_transfer_backend: str | None = None
     """vLLM weight-transfer backend for in-memory syncs (``nccl``, ``ipc``, ``ajet_gloo``); None: reloads
     from disk only."""
+    lora_adapter: str | None = None
+    """A peft adapter folder: serve every request with a LoRA adapter of the model, starting with this one
+    (see the module doc); None: the model's own weights."""
+    lora_name: str = "policy"
+    """vLLM's name of the served adapter."""
+    max_loras: int = 1
+    """With ``lora_adapter``: adapters vLLM holds on the device at once."""
+    max_lora_rank: int = 16
+    """With ``lora_adapter``: the largest adapter rank vLLM serves (one of vLLM's LoRA ranks)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +98,8 @@ class VllmSettings:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
             raise ValueError("tensor_parallel_size and max_num_seqs must be >= 1")
         if self.cpu_kv_cache_gib < 1:
@@ -109,6 +126,7 @@ class VllmEngine(EngineLifecycle):
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
         self._stopping = Path(os.devnull)  # set by start()
+        self._lora: Any = None  # the LoRARequest every request carries (with ``lora_adapter``)
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -149,11 +167,14 @@ class VllmEngine(EngineLifecycle):
             enable_sleep_mode=settings.enable_sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
             **_weight_transfer_args(settings.weight_transfer_backend),
+            **_lora_args(settings),
         )
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._reload_lock = asyncio.Lock()
+        if settings.lora_adapter is not None:
+            await self._add_adapter(Path(settings.lora_adapter), inplace=False)
         log.info(
             "vllm engine: loaded %s (%s, %s, max_model_len %d) in %.1f s",
             self.model_path,
@@ -204,7 +225,10 @@ class VllmEngine(EngineLifecycle):
         if request_id in self._in_flight:
             raise EngineError(f"request id {request_id!r} is already in flight")
         outputs = self._llm.generate(
-            tokens_input(list(prompt_ids)), _vllm_params(params, max_tokens, stream), request_id
+            tokens_input(list(prompt_ids)),
+            _vllm_params(params, max_tokens, stream),
+            request_id,
+            lora_request=self._lora,
         )
         self._in_flight.add(request_id)
         try:
@@ -243,6 +267,10 @@ class VllmEngine(EngineLifecycle):
         path = Path(path)
         if not any(path.glob("*.safetensors")):
             raise EngineError(f"load_weights: no *.safetensors file in {path} (save with save_pretrained)")
+        adapter = self._lora is not None
+        mismatch = kind_mismatch(path, adapter)
+        if mismatch is not None:
+            raise EngineError(mismatch)
         if self._asleep:
             await self.wake_up()
         async with self._reload_lock:
@@ -250,7 +278,10 @@ class VllmEngine(EngineLifecycle):
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
+                if adapter:
+                    await self._add_adapter(path, inplace=True)
+                else:
+                    await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
                 self.policy_version = version  # before any token of the new weights streams out
@@ -262,6 +293,20 @@ class VllmEngine(EngineLifecycle):
                 version,
                 time.monotonic() - started,
             )
+
+    async def _add_adapter(self, path: Path, inplace: bool) -> None:
+        """Load the adapter folder into vLLM as the served adapter (id 1), in place of the one there;
+        requests then carry a request naming it (without ``load_inplace``, which would reload per use)."""
+        from vllm.lora.request import LoRARequest
+
+        name = self.settings.lora_name
+        try:
+            loaded = await self._llm.add_lora(LoRARequest(name, 1, str(path), load_inplace=inplace))
+        except Exception as error:  # vLLM's message names the shape or rank it refused
+            raise EngineError(f"vLLM refused the LoRA adapter {path}: {error}") from error
+        if not loaded:
+            raise EngineError(f"vLLM did not load the LoRA adapter {path}")
+        self._lora = LoRARequest(name, 1, str(path))
 
     # ---- in-memory weight sync (vLLM's weight-transfer API; the trainer drives it, see trainer/weight_sync)
 
@@ -345,6 +390,12 @@ class VllmEngine(EngineLifecycle):
         await self._llm.reset_prefix_cache(reset_running_requests=True)
         self._asleep = False
         return time.monotonic() - started
+
+
+def _lora_args(settings: VllmSettings) -> dict[str, Any]:
+    if settings.lora_adapter is None:
+        return {}
+    return {"enable_lora": True, "max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
 
 
 def _weight_transfer_args(backend: str | None) -> dict[str, Any]:

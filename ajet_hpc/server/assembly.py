@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import co_trained, mix_of, repeats_feeding, server_placement
+from ajet_hpc.config.topology import co_trained, lora_rank_limit, mix_of, repeats_feeding, server_placement
+from ajet_hpc.engine.adapter import write_initial_adapter
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine, resolve_kind
 from ajet_hpc.engine.vllm_engine import VllmEngine
@@ -55,7 +58,9 @@ def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) ->
     kind = resolve_kind(config.engine)
     sync = decide(config.trainer, placement, kind)
     model_path = resolve_model(config.model, run.models_dir)
-    engine = create_engine(kind, model_path, **engine_settings(config, placement, kind, sync))
+    settings = engine_settings(config, placement, kind, sync)
+    settings.update(lora_settings(config, model_path, kind))
+    engine = create_engine(kind, model_path, **settings)
     ctx = ServerContext(
         name=config.name,
         engine=engine,
@@ -118,6 +123,21 @@ def engine_settings(
         "enable_sleep_mode": placement.mode == "colocate",
         "weight_transfer_backend": sync.backend,
     }
+
+
+def lora_settings(config: ServerConfig, model_path: Path, kind: Literal["vllm", "transformers"]) -> dict:
+    """With ``trainer.lora``: the engine serves an adapter, starting with the version-0 one written here
+    to node-local storage (`ajet_hpc.engine.adapter`); vLLM gets its adapter slots and rank limit."""
+    lora = config.trainer.lora if config.trainer is not None else None
+    if lora is None:
+        return {}
+    folder = Path(tempfile.mkdtemp(prefix=f"ajet-{config.name}-lora-v0-", dir=os.environ.get("SLURM_TMPDIR")))
+    settings: dict[str, Any] = {"lora_adapter": str(write_initial_adapter(model_path, lora, folder))}
+    if kind == "vllm":
+        settings["max_loras"] = config.vllm.max_loras
+        settings["max_lora_rank"] = lora_rank_limit(config)
+    log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, config.name)
+    return settings
 
 
 def bind_engine_gpus(placement: Placement, environ: MutableMapping[str, str]) -> dict[str, str]:

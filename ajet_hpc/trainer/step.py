@@ -28,6 +28,7 @@ from ajet_hpc.algo.sample_tensors import (
     tree_block_mask,
 )
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.trainer import lora
 from ajet_hpc.trainer.distributed import shard_by_tokens
 from ajet_hpc.trainer.zero import Models
 
@@ -96,7 +97,7 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
         assert entropy is not None  # asked for above
         old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
         ref = None
-        if models.reference is not None:
+        if models.reference is not None or models.reference_is_base:
             ref = _reference_logprobs(models, inputs, batch, head)
         loss, metrics = policy_loss(
             logprobs,
@@ -202,6 +203,17 @@ def _output_layer_plan(config: TrainerConfig) -> HeadPlan:
 def _reference_logprobs(
     models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], head: HeadPlan
 ) -> torch.Tensor:
+    if models.reference_is_base:  # LoRA: the base is the reference, the same module without its adapter
+        with torch.no_grad(), lora.base_only(models.engine.module):
+            logprobs, _ = model_logprobs(
+                models.engine,
+                inputs,
+                batch["loss_mask"],
+                batch.get("parents"),
+                chunk_tokens=head.chunk_tokens,
+                min_chunks=head.min_chunks,
+            )
+            return logprobs
     if models.reference is None:
         raise ValueError("reference log-probabilities asked for without a reference model (kl_coef is 0)")
     with torch.no_grad():

@@ -3,7 +3,9 @@
 ``trainer.weight_sync: memory`` sends the weights from the ranks straight into a vLLM engine through one of
 vLLM's weight-transfer backends: NCCL from the trainer's GPUs to the engine's (placement ``split``), CUDA IPC
 when they share the GPUs (``colocate``), our gloo backend on CPUs (``cpu``). The transformers engine has no
-such receiver: it reloads the exported weights from disk, and so does ``weight_sync: disk``.
+such receiver: it reloads the exported weights from disk, and so does ``weight_sync: disk``. A LoRA
+trainer (``trainer.lora``) always hands over its adapter folder, a few MB on node-local storage, which the
+engine loads through its own LoRA API (``add_lora``): no transfer group is needed for so little.
 
 The server builds its engine with `SyncPlan.backend` (``VllmSettings.weight_transfer_backend``), hands the
 plan to its coordinator (`TrainerSetup.sync`), and the coordinator hands it to the ranks it starts through
@@ -72,6 +74,9 @@ def decide(
     """The one decision: in memory when the trainer asks for it and the engine is vLLM (the backend from
     the placement), else from disk (logged when memory was asked for but the engine cannot receive)."""
     if trainer is None or trainer.weight_sync != "memory":
+        return DISK
+    if trainer.lora is not None:
+        log.info("trainer.lora: the adapter reaches the engine as a node-local adapter folder (add_lora)")
         return DISK
     if engine != "vllm":
         log.info("weight_sync memory needs the vLLM engine; the %s engine reloads from disk", engine)

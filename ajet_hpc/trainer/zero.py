@@ -1,5 +1,7 @@
 """DeepSpeed for the trainer: the engine from ``TrainerConfig``, the frozen reference model, weight export
-in the model's dtype, and checkpoints that only count once ``ds/trainer_state.json`` names them.
+in the model's dtype, and checkpoints that only count once ``ds/trainer_state.json`` names them. With
+``trainer.lora`` the model is a peft adapter on the frozen base (`ajet_hpc.trainer.lora`): the reference
+is the base itself, exports are adapter folders and checkpoints leave the base out.
 
 Gradient accumulation is the caller's (``managed_gradient_accumulation: false``): ``engine.backward`` only
 accumulates, and each ``engine.step()`` is one optimizer step over everything accumulated since the last
@@ -25,7 +27,7 @@ from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
-from ajet_hpc.trainer import rank_files
+from ajet_hpc.trainer import lora, rank_files
 from ajet_hpc.trainer.rank_files import TrainerState, WorkDir
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,20 @@ def load_model(model_dir: Path, on_gpu: bool, attention: str | None = None) -> t
 
 @dataclass
 class Models:
-    """The policy engine and, with ``kl_coef > 0``, the frozen reference (a module or a ZeRO-3 engine)."""
+    """The policy engine and, with ``kl_coef > 0``, the frozen reference (a module or a ZeRO-3 engine);
+    ``adapter``: the policy is a LoRA adapter, and with ``kl_coef > 0`` its reference is the base
+    (``reference`` stays None: `reference_is_base`)."""
 
     engine: Any
     reference: torch.nn.Module | None
     device: torch.device
     dtype: torch.dtype
+    adapter: bool = False
+    kl: bool = False
+
+    @property
+    def reference_is_base(self) -> bool:
+        return self.adapter and self.kl
 
 
 def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int) -> Models:
@@ -111,18 +121,22 @@ def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int)
     started = time.monotonic()
     attention = tree_attention(on_gpu, config.merge.tree_attention) if config.merge.mode == "tree" else None
     model = load_model(model_dir, on_gpu, attention)
+    if config.lora is not None:
+        model = lora.wrap(model, config.lora)
     loaded = time.monotonic()
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(config, on_gpu)
-    )
+    trained = lora.trainable(model)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config(config, on_gpu))
     log.info(
-        "model loaded in %.1f s, DeepSpeed engine (ZeRO-%d) built in %.1f s",
+        "model loaded in %.1f s, DeepSpeed engine (ZeRO-%d) built in %.1f s%s",
         loaded - started,
         config.zero_stage,
         time.monotonic() - loaded,
+        ""
+        if config.lora is None
+        else f"; LoRA rank {config.lora.rank}: {sum(p.numel() for p in trained):,} trained parameters",
     )
     reference = None
-    if config.kl_coef > 0:
+    if config.kl_coef > 0 and config.lora is None:
         ref = load_model(model_dir, on_gpu, attention).requires_grad_(False)
         if config.zero_stage == 3:
             ref_engine, *_ = deepspeed.initialize(model=ref, config=reference_ds_config(config, on_gpu))
@@ -130,7 +144,14 @@ def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int)
         else:
             reference = ref.to(device)
         reference.eval()
-    return Models(engine=engine, reference=reference, device=device, dtype=model_dtype(on_gpu))
+    return Models(
+        engine=engine,
+        reference=reference,
+        device=device,
+        dtype=model_dtype(on_gpu),
+        adapter=config.lora is not None,
+        kl=config.kl_coef > 0,
+    )
 
 
 # ---- weights -------------------------------------------------------------------------------------------
@@ -155,13 +176,23 @@ def full_state_dict(models: Models, rank: int) -> dict[str, torch.Tensor] | None
 
 def export_weights(models: Models, work: WorkDir, step: int, model_dir: Path, rank: int) -> Path:
     """Write ``weights/step-N`` (save_pretrained + the initial model's tokenizer files) on rank 0.
-    A collective under ZeRO-3. Returns the folder (written only by rank 0)."""
+    A collective under ZeRO-3. Returns the folder (written only by rank 0). A LoRA policy writes its
+    adapter folder only (`ajet_hpc.engine.adapter`), its tensors alone gathered."""
+    module = models.engine.module
+    if models.adapter:
+        zero3 = models.engine.zero_optimization_partition_weights()
+        adapter = lora.adapter_state(module, zero3, models.dtype)
+        final = work.weights_dir(step)
+        if rank != 0:
+            return final
+        staged = rank_files.staging_dir(work, step)
+        lora.save_adapter(module, adapter, staged)
+        return rank_files.publish_weights(work, step, staged)
     state = full_state_dict(models, rank)
     final = work.weights_dir(step)
     if rank != 0:
         return final
     staged = rank_files.staging_dir(work, step)
-    module = models.engine.module
     module.save_pretrained(staged, state_dict=state, safe_serialization=True)
     rank_files.copy_model_extras(model_dir, staged)
     return rank_files.publish_weights(work, step, staged)
@@ -198,7 +229,9 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     if rank == 0 and tag_dir.exists():  # left by an abandoned run that got past this step
         shutil.rmtree(tag_dir)
     dist.barrier()
-    models.engine.save_checkpoint(str(work.ds), tag=tag, client_state={"ajet_step": step})
+    models.engine.save_checkpoint(
+        str(work.ds), tag=tag, client_state={"ajet_step": step}, exclude_frozen_parameters=models.adapter
+    )
     rng = tag_dir / _rng_file(rank)
     buffer = io.BytesIO()
     torch.save(_rng_state(), buffer)
@@ -255,7 +288,10 @@ def resume(
             f"trainer.ranks (x nodes) and trainer.zero_stage, or start afresh in another work dir"
         )
     started = time.monotonic()
-    path, client = models.engine.load_checkpoint(str(work.ds), tag=state.tag)
+    # a LoRA checkpoint holds the adapter only (`save_checkpoint`): the base comes from the model folder
+    path, client = models.engine.load_checkpoint(
+        str(work.ds), tag=state.tag, load_module_strict=not models.adapter
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {state.tag} in {work.ds}")
     if client.get("ajet_step") != state.step:

