@@ -51,11 +51,22 @@ def _meta_model(model_dir: Path) -> Any:
 
 
 def linear_module_names(model_dir: Path) -> set[str]:
-    """The last parts of the names of the model's linear layers (what ``target_modules`` may name)."""
+    """The last parts of the names of the model's linear layers (what ``target_modules`` may name; GPT-2's
+    ``Conv1D`` is a linear layer too)."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     model = _meta_model(model_dir)
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear = (torch.nn.Linear, Conv1D)
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, linear)}
+
+
+def adapter_parameters(model_dir: Path, lora: LoraConfig) -> int:
+    """How many parameters the adapter of ``lora`` has on this model (counted on the meta device)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(_meta_model(model_dir), peft_config(lora))
+    return sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
 
 
 def missing_targets(model_dir: Path, lora: LoraConfig) -> list[str]:

@@ -30,6 +30,7 @@ from ajet_hpc.launch import registry, runtimes, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import TaskState, task_states
 from ajet_hpc.launch.fit import fit_issues
+from ajet_hpc.launch.lora_check import lora_issues
 from ajet_hpc.launch.foreground import supervise
 from ajet_hpc.launch.plan import Planned, build_plan
 from ajet_hpc.launch.registry import SubmittedJob
@@ -166,7 +167,7 @@ def refuse_force_over_live_jobs(run: RunDir, topology: Topology, force: bool) ->
 
 def launch(args: argparse.Namespace) -> int:
     topology, run = read_topology(args)
-    too_big = fit_issues(topology)
+    too_big = fit_issues(topology) + lora_issues(topology)
     if too_big:
         raise ConfigError(too_big)
     absent = trackers.missing(topology.run.trackers)  # before anything is written or submitted

@@ -11,7 +11,10 @@ and two moments, 12 bytes per parameter), as in the ZeRO paper:
 - ZeRO-2: ``2P + (2P + 12P)/N`` (gradients sharded too)
 - ZeRO-3: ``(2P + 2P + 12P)/N`` (everything sharded)
 
-plus a frozen reference model when ``kl_coef > 0`` (``2P``, or ``2P/N`` under ZeRO-3). Activations come on
+plus a frozen reference model when ``kl_coef > 0`` (``2P``, or ``2P/N`` under ZeRO-3). With ``trainer.lora``
+the base is frozen: its bf16 weights once per rank (``2P``, ``2P/N`` under ZeRO-3), and the formulas above
+apply to the adapter's A parameters alone; the KL term's reference is the base itself, so LoRA saves the
+reference copy too (``2P`` or ``2P/N``) on top of the base's gradients and Adam states. Activations come on
 top, so the states must leave ``ACTIVATION_HEADROOM`` of the GPU free. With placement ``colocate`` the
 trainer's states stay on the GPUs while the engine is awake: they must fit beside the engine's share.
 This is an estimate: it refuses what cannot work and lets through what might.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from ajet_hpc.config import ConfigIssue, ServerConfig, Topology
 from ajet_hpc.config.topology import server_placement
+from ajet_hpc.engine.adapter import adapter_parameters
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +59,26 @@ def model_size(model_dir: Path) -> ModelSize:
     return ModelSize(sum(p.numel() for p in model.parameters()), architecture)
 
 
-def trainer_bytes_per_rank(parameters: int, ranks: int, zero_stage: int, reference: bool) -> float:
-    """The trainer's states on one rank (see the module doc)."""
+def trainer_bytes_per_rank(
+    parameters: int, ranks: int, zero_stage: int, reference: bool, adapter: int | None = None
+) -> float:
+    """The trainer's states on one rank (see the module doc); ``adapter``: the LoRA adapter's parameter
+    count, None for full fine-tuning."""
     p, n = float(parameters), max(1, ranks)
+    if adapter is not None:  # the frozen base (sharded under ZeRO-3), then the adapter's states
+        base = 2 * p / n if zero_stage == 3 else 2 * p
+        return base + trainer_bytes_per_rank(adapter, ranks, zero_stage, reference=False)
     states = {1: 2 * p + 2 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[zero_stage]
     if reference:
         states += 2 * p / n if zero_stage == 3 else 2 * p
     return states
 
 
-def server_fit_issues(index: int, server: ServerConfig, size: ModelSize) -> list[ConfigIssue]:
-    """What does not fit on the server's GPUs, each issue naming the field to change."""
+def server_fit_issues(
+    index: int, server: ServerConfig, size: ModelSize, adapter: int | None = None
+) -> list[ConfigIssue]:
+    """What does not fit on the server's GPUs, each issue naming the field to change (``adapter``: the
+    parameter count of its ``trainer.lora`` adapter)."""
     if server.gpus_per_node == 0:
         return []
     placement = server_placement(server)
@@ -91,7 +104,7 @@ def server_fit_issues(index: int, server: ServerConfig, size: ModelSize) -> list
     if trainer is None or placement.world_size == 0:
         return issues
     need = trainer_bytes_per_rank(
-        size.parameters, placement.world_size, trainer.zero_stage, trainer.kl_coef > 0
+        size.parameters, placement.world_size, trainer.zero_stage, trainer.kl_coef > 0, adapter
     )
     colocated = placement.mode == "colocate"
     room = ((1 - vllm.gpu_memory_utilization) if colocated else (1 - ACTIVATION_HEADROOM)) * gpu
@@ -118,12 +131,14 @@ def fit_issues(topology: Topology) -> list[ConfigIssue]:
         model_dir = Path(server.model).expanduser()
         if not (model_dir / "config.json").is_file():
             continue  # the model field's own check reports it
+        lora = server.trainer.lora if server.trainer is not None else None
         try:
             size = model_size(model_dir)
+            adapter = adapter_parameters(model_dir, lora) if lora is not None else None
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
             issues.append(
                 ConfigIssue(f"servers[{index}].model", f"cannot read {model_dir / 'config.json'}: {error}")
             )
             continue
-        issues += server_fit_issues(index, server, size)
+        issues += server_fit_issues(index, server, size, adapter)
     return issues

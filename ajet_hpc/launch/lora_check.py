@@ -1,0 +1,90 @@
+"""Can the server's model and engine take its ``trainer.lora``? Checked before anything is submitted.
+
+Two questions, each answered from the model's ``config.json`` alone (the model built on the meta device,
+no weights read): does the model have a linear layer of every name in ``target_modules`` (peft would
+fail at the trainer's start), and, where the engine is vLLM, does vLLM's implementation of the
+architecture serve LoRA adapters (``SupportsLoRA``)? A built-in model is built in a temporary folder
+(it is tiny). The rank against ``vllm.max_lora_rank`` is a plain field check (`Topology`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+from ajet_hpc.config import ConfigIssue, ServerConfig, Topology
+from ajet_hpc.engine.adapter import linear_module_names
+from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.engine.select import resolve_kind
+
+log = logging.getLogger(__name__)
+
+
+def lora_issues(topology: Topology) -> list[ConfigIssue]:
+    """What keeps each LoRA server's model or engine from taking its adapter, naming the field."""
+    issues: list[ConfigIssue] = []
+    for index, server in enumerate(topology.servers):
+        if server.trainer is None or server.trainer.lora is None:
+            continue
+        with tempfile.TemporaryDirectory(prefix="ajet-lora-check-") as scratch:
+            model_dir = _model_dir(server, Path(scratch))
+            if model_dir is None:
+                continue  # the model field's own check reports it
+            issues += _server_issues(index, server, model_dir)
+    return issues
+
+
+def _model_dir(server: ServerConfig, scratch: Path) -> Path | None:
+    if server.model.startswith("builtin:"):
+        return resolve_model(server.model, scratch)
+    folder = Path(server.model).expanduser()
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _server_issues(index: int, server: ServerConfig, model_dir: Path) -> list[ConfigIssue]:
+    assert server.trainer is not None and server.trainer.lora is not None
+    lora = server.trainer.lora
+    where = f"servers[{index}]"
+    try:
+        have = linear_module_names(model_dir)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
+        return [ConfigIssue(f"{where}.model", f"cannot read {model_dir / 'config.json'}: {error}")]
+    issues = []
+    missing = [name for name in lora.target_modules if name not in have]
+    if missing:
+        issues.append(
+            ConfigIssue(
+                f"{where}.trainer.lora.target_modules",
+                f"the model has no linear layer named {', '.join(map(repr, missing))}; its linear layers "
+                f"are: {', '.join(sorted(have))}",
+            )
+        )
+    if server.engine != "transformers" and resolve_kind(server.engine) == "vllm":
+        refusal = _vllm_refusal(model_dir)
+        if refusal is not None:
+            issues.append(ConfigIssue(f"{where}.engine", refusal))
+    return issues
+
+
+def _vllm_refusal(model_dir: Path) -> str | None:
+    """Why vLLM cannot serve LoRA adapters of this architecture; None when it can (or vLLM cannot say)."""
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    try:
+        from vllm.model_executor.models.interfaces import supports_lora
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        classes = [ModelRegistry._try_load_model_cls(a) for a in architectures]
+    except (ImportError, AttributeError) as error:  # no vLLM here, or its registry moved
+        log.info("vLLM's LoRA support of %s not checked: %s", architectures, error)
+        return None
+    found = [c for c in classes if c is not None]
+    if not found:
+        return None  # an architecture vLLM does not know at all: the engine's start says so
+    if not any(supports_lora(c) for c in found):
+        return (
+            f"vLLM's {found[0].__name__} has no LoRA support (SupportsLoRA): train it with "
+            "engine: transformers or without trainer.lora"
+        )
+    return None
