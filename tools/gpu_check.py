@@ -14,6 +14,11 @@ the colocate placement (one rank bound to the GPU through ``AJET_RANK_GPUS``).
     .venv/bin/python tools/gpu_check.py --cpu --layers 2       # smoke test of the script on a CPU machine
     .venv/bin/python tools/gpu_check.py --flex-only            # only the tree mask check (below)
 
+Then LoRA (``trainer.lora``): the same rank trains a rank-16 adapter under ZeRO-3 in bf16 (the base frozen
+and partitioned, the adapter gathered alone for its export, the KL term against the base with the adapter
+disabled), and a transformers engine serving the adapter through peft loads each step's adapter folder; its
+logprobs must agree with a fresh peft forward of that folder (``lora_maxdiff``, within the bf16 bound).
+
 First, a tree-packed micro-batch (``merge.mode: tree``) through FlexAttention's block mask against SDPA's
 dense mask, forward and backward (``flex_tree_check``: the training path of ``merge.tree_attention: flex``,
 which the CPU tests cannot run); ``flex_tree_diff`` in the RESULT line, at most 1e-3 to pass.
@@ -36,7 +41,7 @@ import torch
 
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config.placement import cpu_placement, plan_placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.topology import LoraConfig, TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
@@ -143,10 +148,21 @@ async def rollouts(engine, prompt: list[int], group: int, version: int) -> list[
     return samples
 
 
-async def train_pass(engine, model: Path, work: Path, args, backend: SyncBackend | None) -> list[dict]:
+async def train_pass(
+    engine, model: Path, work: Path, args, backend: SyncBackend | None, lora: LoraConfig | None = None
+) -> list[dict]:
     """``args.steps`` GRPO steps with the weights reaching the engine in memory (``backend``) or from disk
-    (None); after each, the engine's greedy answer with its logprobs, and the timings."""
-    config = TrainerConfig(zero_stage=3, ranks=1, lr=1e-4, total_steps=args.steps, save_every=10**6)
+    (None); after each, the engine's greedy answer with its logprobs, and the timings. With ``lora`` the
+    ranks train an adapter (and a KL term to the base) and the engine gets adapter folders."""
+    config = TrainerConfig(
+        zero_stage=3,
+        ranks=1,
+        lr=1e-4 if lora is None else 1e-3,
+        total_steps=args.steps,
+        save_every=10**6,
+        lora=lora,
+        kl_coef=0.0 if lora is None else 0.05,
+    )
     if args.cpu:  # a smoke test of this script where there is no GPU
         placement = cpu_placement(1)
     else:
@@ -291,6 +307,48 @@ def flex_tree_check(device: str) -> float:
     return diff
 
 
+def score_adapter(
+    model: Path, adapter: Path, prompt: list[int], response: list[int], device: str
+) -> list[float]:
+    """Each response token's logprob under a fresh peft load of ``adapter`` on the base (bf16 on CUDA)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    net = cast(torch.nn.Module, PeftModel.from_pretrained(base, adapter)).to(device).eval()
+    with torch.no_grad():
+        logits = net(torch.tensor([prompt + response], device=device)).logits[0].float()
+    table = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    del net
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return table.gather(1, torch.tensor(response, device=device)[:, None])[:, 0].tolist()
+
+
+async def lora_check(model: Path, work: Path, args: argparse.Namespace) -> float:
+    """LoRA under ZeRO-3 (module doc): the largest engine-vs-peft logprob difference over the steps."""
+    from ajet_hpc.engine.adapter import write_initial_adapter
+    from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
+
+    lora = LoraConfig(rank=16, alpha=32)
+    v0 = write_initial_adapter(model, lora, work / "lora-v0")
+    engine = TransformersEngine(model, TransformersSettings(max_model_len=512, lora_adapter=str(v0)))
+    await engine.start()
+    try:
+        steps = await train_pass(engine, model, work / "lora", args, None, lora)
+    finally:
+        await engine.stop()
+    device = "cpu" if args.cpu else "cuda"
+    worst = 0.0
+    for step in steps:
+        folder = step["result"].weights.folder
+        reference = score_adapter(model, folder, step["prompt"], step["tokens"], device)
+        worst = max(worst, *(abs(a - b) for a, b in zip(step["logprobs"], reference, strict=True)))
+    print(f"LoRA under ZeRO-3: engine (peft) vs a fresh peft forward of each step's adapter: {worst:.4f}")
+    return worst
+
+
 async def check(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="ajet-gpu-check-"))
     model = build_model(work / "model", args.layers)
@@ -324,8 +382,10 @@ async def check(args: argparse.Namespace) -> dict:
             else:
                 memory_vs_disk = float("inf")
         print(f"engine after memory sync vs after disk reload: maxdiff {memory_vs_disk:.4f}")
+    lora_maxdiff = await lora_check(model, work, args)
     timed = memory or disk
     return {
+        "lora_maxdiff": lora_maxdiff,
         "engine": f"vllm+{backend}" if backend else "transformers+disk",
         "step_s": statistics.median(s["step_s"] for s in timed),
         "sync_s": statistics.median(s["sync_s"] for s in timed),
@@ -352,10 +412,15 @@ def main() -> int:
     random.seed(0)
     flex_diff = flex_tree_check("cpu" if args.cpu else "cuda")
     result = asyncio.run(check(args)) if not args.flex_only else {}
-    ok = flex_diff <= 1e-3 and result.get("logprob_maxdiff", 0.0) <= args.tolerance
+    ok = (
+        flex_diff <= 1e-3
+        and result.get("logprob_maxdiff", 0.0) <= args.tolerance
+        and result.get("lora_maxdiff", 0.0) <= args.tolerance
+    )
     engine = (
         f"engine={result['engine']} step_s={result['step_s']:.3f} sync_s={result['sync_s']:.3f} "
         f"wake_s={result['wake_s']:.3f} logprob_maxdiff={result['logprob_maxdiff']:.4f} "
+        f"lora_maxdiff={result['lora_maxdiff']:.4f} "
         if result
         else ""
     )

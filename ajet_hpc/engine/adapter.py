@@ -87,7 +87,7 @@ def write_initial_adapter(model_dir: Path, lora: LoraConfig, folder: Path) -> Pa
         if "lora_" in name
     }
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, state_dict=zeros, safe_serialization=True)
+    model.save_pretrained(folder, state_dict=zeros, safe_serialization=True, save_embedding_layers=False)
     return folder
 
 

@@ -67,8 +67,9 @@ def adapter_bytes(module: torch.nn.Module) -> int:
 
 
 def save_adapter(module: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
-    """Write the adapter folder (peft's ``save_pretrained``: config + safetensors) from ``state``."""
-    module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    """Write the adapter folder (peft's ``save_pretrained``: config + safetensors) from ``state``: the
+    adapter's tensors only, also with ``lm_head`` in ``target_modules`` (the frozen head stays out)."""
+    module.save_pretrained(folder, state_dict=state, safe_serialization=True, save_embedding_layers=False)
 
 
 def base_only(module: Any) -> AbstractContextManager[None]:

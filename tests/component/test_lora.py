@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -126,9 +127,9 @@ async def run_ranks(model: Path, work: Path, config: TrainerConfig, ranks: int, 
 
 @pytest.mark.parametrize("stage,ranks", [(2, 1), (3, 2)])
 def test_engines_serve_each_trained_adapter_as_peft_computes_it(
-    loop, engines, model: Path, stage: int, ranks: int, tmp_path: Path
+    loop, engines, model: Path, stage: Literal[2, 3], ranks: int, tmp_path: Path
 ) -> None:
-    vllm, hf = engines
+    vllm = engines[0]
     prompt = vllm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Which adapter?"}], add_generation_prompt=True, return_dict=False
     )

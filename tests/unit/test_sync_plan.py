@@ -10,6 +10,7 @@ import pytest
 
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.placement import PlacementMode, cpu_placement, plan_placement
+from ajet_hpc.config.topology import LoraConfig
 from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan, decide
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"
@@ -33,6 +34,14 @@ def test_disk_when_asked_when_nothing_trains_and_when_the_engine_cannot_receive(
         assert decide(MEMORY, cpu_placement(1), "transformers") == DISK
     assert "weight_sync memory needs the vLLM engine" in caplog.text
     assert not DISK.in_memory and DISK.rank_env() == {}
+
+
+def test_a_lora_adapter_goes_to_the_engine_as_a_folder_whatever_the_placement(caplog) -> None:
+    lora = TrainerConfig(weight_sync="memory", lora=LoraConfig(rank=8))
+    with caplog.at_level("INFO", logger="ajet_hpc.trainer.sync_plan"):
+        for placement in (cpu_placement(1), gpus("split"), gpus("colocate")):
+            assert decide(lora, placement, "vllm") == DISK
+    assert "adapter reaches the engine as a node-local adapter folder" in caplog.text
 
 
 def test_the_ranks_read_back_the_plan_the_server_put_in_their_environment() -> None:

