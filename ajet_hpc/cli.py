@@ -28,6 +28,9 @@ COMMANDS: dict[str, Command] = {
     "logs": Command("ajet_hpc.logs", "print (or follow, -f) the logs of a run's jobs"),
     "cancel": Command("ajet_hpc.cancel", "stop every job of a run"),
     "inspect": Command("ajet_hpc.inspect.cli", "read a run offline: steps, episodes, conversations, exports"),
+    "export": Command(
+        "ajet_hpc.inspect.model_export", "a trained model (or LoRA adapter) as a Hugging Face folder"
+    ),
     "study": Command("ajet_hpc.study.cli", "many runs over a search space, supervised; status and report"),
 }
 PROG = "ajet-hpc"

@@ -30,8 +30,8 @@ from ajet_hpc.launch import registry, runtimes, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import TaskState, task_states
 from ajet_hpc.launch.fit import fit_issues
-from ajet_hpc.launch.lora_check import lora_issues
 from ajet_hpc.launch.foreground import supervise
+from ajet_hpc.launch.lora_check import lora_issues
 from ajet_hpc.launch.plan import Planned, build_plan
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.logging_setup import setup_logging

@@ -62,6 +62,13 @@ SMOKE = [
         marks=SLOW,
     ),
     pytest.param(
+        "lora.py",
+        ["--steps", "1", "--shape", "smoke"],
+        ["sync_bytes_ratio", "sync_speedup", "step_ratio"],
+        id="lora",
+        marks=SLOW,
+    ),
+    pytest.param(
         "startup.py",
         ["--runs", "1", "--engine", "transformers"],
         ["first_step_with_s", "first_step_after_s", "speedup"],

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +119,69 @@ def test_quickstart_with_a_lora_adapter_learns(tmp_path: Path) -> None:
         weights_only=False,  # DeepSpeed's own file, written by this test's run
     )
     assert states["module"] and all(".lora_" in name for name in states["module"])  # the adapter alone
+    # `ajet-hpc export` of step 15: merged and as an adapter, each reproduces what the engine recorded at
+    # policy version 15; vLLM loads the merged folder as `vllm serve` would
+    calls = recorded_calls(run, 15)
+    export(run, tmp_path / "merged")
+    assert_folder_reproduces(tmp_path / "merged", calls)
+    export(run, tmp_path / "adapter", "--adapter")
+    assert_folder_reproduces(tmp_path / "adapter", calls, base=run / "models" / "tiny")
+    served = subprocess.run(
+        [sys.executable, "-c", VLLM_LOADS, str(tmp_path / "merged")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert served.returncode == 0 and "generated" in served.stdout, (
+        served.stdout[-2000:] + served.stderr[-2000:]
+    )
+
+
+VLLM_LOADS = """
+import sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, dtype="float32")
+    out = llm.generate(["2+3="], SamplingParams(max_tokens=4, temperature=0))
+    print("generated", out[0].outputs[0].token_ids)
+"""
+"""`vllm serve`'s load of a folder, through ``vllm.LLM`` in a process of its own."""
+
+
+def recorded_calls(run: Path, version: int) -> list[tuple[list[int], int, list[float]]]:
+    """(token ids, prompt length, the engine's recorded logprobs) of every call made at policy ``version``."""
+    from ajet_hpc.inspect.export import sample_rows
+    from ajet_hpc.inspect.run import Run
+    from ajet_hpc.inspect.views import EpisodeFilter
+
+    with Run.open(run) as opened:
+        (model,) = opened.models()
+        rows = [r for r in sample_rows(model, EpisodeFilter()) if r["policy_version"] == version]
+    return [(r["token_ids"], r["prompt_tokens"], r["logprobs"][r["prompt_tokens"] :]) for r in rows]
+
+
+def assert_folder_reproduces(folder: Path, calls, base: Path | None = None) -> None:
+    """A transformers load of ``folder`` (a model, or an adapter on ``base``) gives the recorded logprobs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    net: Any = AutoModelForCausalLM.from_pretrained(base or folder, dtype=torch.float32)
+    if base is not None:
+        net = PeftModel.from_pretrained(net, folder)
+    net.eval()
+    assert calls, "no call was recorded at the exported step's policy version"
+    worst = 0.0
+    for ids, prompt, recorded in calls[:32]:
+        with torch.no_grad():
+            table = torch.log_softmax(net(torch.tensor([ids])).logits[0, prompt - 1 : -1], dim=-1)
+        mine = table.gather(1, torch.tensor(ids[prompt:])[:, None])[:, 0].tolist()
+        worst = max(worst, *(abs(a - b) for a, b in zip(mine, recorded, strict=True)))
+    assert worst <= 1e-3, worst
+
+
+def export(run: Path, out: Path, *flags: str) -> None:
+    done = run_module(
+        "ajet_hpc.cli", "export", str(run), "--step", "15", "-o", str(out), *flags, timeout_s=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
