@@ -45,6 +45,9 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     starting = server_log.index("trainer ranks starting while the engine loads")  # Coordinator.prestart
     assert starting < server_log.index("vllm engine: loaded"), server_log[-3000:]
+    # `ajet-hpc export` of full fine-tuning (ZeRO-2, 2 ranks): step 10 reproduces the engine's version 10
+    export(run, tmp_path / "exported", step=10)
+    assert_folder_reproduces(tmp_path / "exported", recorded_calls(run, 10))
 
 
 def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
@@ -184,8 +187,8 @@ def assert_folder_reproduces(folder: Path, calls, base: Path | None = None) -> N
     assert worst <= 1e-3, worst
 
 
-def export(run: Path, out: Path, *flags: str) -> None:
+def export(run: Path, out: Path, *flags: str, step: int = 15) -> None:
     done = run_module(
-        "ajet_hpc.cli", "export", str(run), "--step", "15", "-o", str(out), *flags, timeout_s=300
+        "ajet_hpc.cli", "export", str(run), "--step", str(step), "-o", str(out), *flags, timeout_s=300
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
