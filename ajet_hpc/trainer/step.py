@@ -12,6 +12,7 @@ run the same number of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -203,22 +204,17 @@ def _output_layer_plan(config: TrainerConfig) -> HeadPlan:
 def _reference_logprobs(
     models: Models, inputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], head: HeadPlan
 ) -> torch.Tensor:
-    if models.reference_is_base:  # LoRA: the base is the reference, the same module without its adapter
-        with torch.no_grad(), lora.base_only(models.engine.module):
-            logprobs, _ = model_logprobs(
-                models.engine,
-                inputs,
-                batch["loss_mask"],
-                batch.get("parents"),
-                chunk_tokens=head.chunk_tokens,
-                min_chunks=head.min_chunks,
-            )
-            return logprobs
-    if models.reference is None:
+    """The reference policy's logprobs: the frozen reference model, or under LoRA the base itself (the
+    policy's own module with its adapter disabled)."""
+    if models.reference_is_base:
+        module, context = models.engine, lora.base_only(models.engine.module)
+    elif models.reference is not None:
+        module, context = models.reference, contextlib.nullcontext()
+    else:
         raise ValueError("reference log-probabilities asked for without a reference model (kl_coef is 0)")
-    with torch.no_grad():
+    with torch.no_grad(), context:
         logprobs, _ = model_logprobs(
-            models.reference,
+            module,
             inputs,
             batch["loss_mask"],
             batch.get("parents"),
