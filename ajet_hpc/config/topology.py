@@ -398,15 +398,16 @@ class VllmConfig(BaseModel):
         default=None,
         description="No CUDA graphs; null: eager on CPUs, CUDA graphs on GPUs (faster, slower to start).",
     )
-    max_loras: int = Field(
-        default=1,
+    max_loras: int | None = Field(
+        default=None,
         ge=1,
-        description="With trainer.lora: adapters vLLM holds on the device at once (one per trained adapter).",
+        description="With LoRA: adapters vLLM holds on the device at once; at least the server's LoRA models "
+        "(its own trainer.lora and its adapters); null: exactly that many.",
     )
     max_lora_rank: Annotated[int, NotBool] | None = Field(
         default=None,
-        description="With trainer.lora: the largest adapter rank vLLM serves, one of "
-        f"{', '.join(map(str, VLLM_LORA_RANKS))}; null: the smallest that holds trainer.lora.rank.",
+        description="With LoRA: the largest adapter rank vLLM serves, one of "
+        f"{', '.join(map(str, VLLM_LORA_RANKS))}; null: the smallest that holds the server's largest rank.",
     )
 
     @field_validator("max_lora_rank")
@@ -464,6 +465,26 @@ class JobResources(BaseModel):
         return slurm_time_minutes(self.time)
 
 
+class AdapterConfig(BaseModel):
+    """One more model on a server's engine: a LoRA adapter of the server's base model with its own trainer,
+    store, checkpoints and metrics, or (``trainer: null``) the bare base under this name. Clients name it
+    as they name a server. docs/lora.md, "Several models on one server"."""
+
+    model_config = _MODEL_CONFIG
+
+    name: Name = Field(
+        description="The model's name: clients refer to it, and it names its files in the run."
+    )
+    trainer: TrainerConfig | None = Field(
+        default=TrainerConfig(lora=LoraConfig()),
+        description="The adapter's trainer, with trainer.lora (default: a rank-16 adapter); null serves the "
+        "bare base model under this name without training (a judge or an opponent that does not learn).",
+    )
+    store: StoreConfig = Field(
+        default=StoreConfig(), description="Group commit of this model's store (RUN/data/<name>.h5)."
+    )
+
+
 class ServerConfig(JobResources):
     """One trainable model: an inference engine and its trainer in one GPU allocation."""
 
@@ -518,6 +539,29 @@ class ServerConfig(JobResources):
         default=TrainerConfig(),
         description="Trainer settings of this model; null serves it without training.",
     )
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list,
+        description="More models served by this server's one engine, each a LoRA adapter of its base model "
+        "(or the bare base) with its own trainer; the server itself stays a model too (give it trainer.lora "
+        "or trainer: null). docs/lora.md.",
+    )
+
+    def models(self) -> list[ServerConfig]:
+        """The models this server job serves: itself, then each adapter as a model of its own (the server's
+        fields with the adapter's name, trainer and store)."""
+        hosted = [
+            self.model_copy(update={"name": a.name, "trainer": a.trainer, "store": a.store, "adapters": []})
+            for a in self.adapters
+        ]
+        return [self, *hosted]
+
+    def lora_models(self) -> list[tuple[str, LoraConfig]]:
+        """(name, adapter) of every model of this server that trains a LoRA adapter."""
+        return [
+            (m.name, m.trainer.lora)
+            for m in self.models()
+            if m.trainer is not None and m.trainer.lora is not None
+        ]
 
 
 class ClientGroupConfig(JobResources):
@@ -608,12 +652,25 @@ class Topology(BaseModel):
             raise ConfigError(issues)
         return self
 
+    @property
+    def models(self) -> list[ServerConfig]:
+        """Every model of the run: each server, and after it the adapters it serves (`ServerConfig.models`).
+        Clients, stores, rendezvous files, checkpoints and metrics are per model; jobs per server."""
+        return [model for server in self.servers for model in server.models()]
+
     def server(self, name: str) -> ServerConfig:
-        """The server called ``name``; ``KeyError`` naming the known servers otherwise."""
+        """The model called ``name`` (a server, or an adapter on one); ``KeyError`` naming them otherwise."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(f"no server named {name!r}; servers are: {', '.join(m.name for m in self.models)}")
+
+    def host_of(self, name: str) -> ServerConfig:
+        """The server job that serves the model ``name`` (the model itself unless it is an adapter)."""
         for server in self.servers:
-            if server.name == name:
+            if any(model.name == name for model in server.models()):
                 return server
-        raise KeyError(f"no server named {name!r}; servers are: {', '.join(s.name for s in self.servers)}")
+        raise KeyError(f"no server serves a model named {name!r}")
 
     def client(self, name: str) -> ClientGroupConfig:
         """The client group called ``name``; ``KeyError`` naming the known groups otherwise."""
@@ -630,9 +687,9 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
     Duplicate names, unknown or repeated server references, time limits not longer than the signal delay, and
     (when ``envs_dir`` is given) client ``env`` files missing from it.
     """
-    issues = _duplicates("servers", [s.name for s in topology.servers])
+    issues = _duplicates_of_models(topology)
     issues += _duplicates("clients", [c.name for c in topology.clients])
-    server_names = list(dict.fromkeys(s.name for s in topology.servers))
+    server_names = list(dict.fromkeys(m.name for m in topology.models))
     for i, client in enumerate(topology.clients):
         seen: set[str] = set()
         for j, ref in enumerate(client.servers):
@@ -669,29 +726,86 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
 
 def lora_rank_limit(server: ServerConfig) -> int | None:
     """The ``max_lora_rank`` the server's vLLM engine is built with: the configured one, else the smallest
-    of vLLM's ranks that holds the adapter's; None without ``trainer.lora``."""
-    lora = server.trainer.lora if server.trainer is not None else None
-    if lora is None:
+    of vLLM's ranks that holds the largest of its adapters' ranks; None when no model of it trains LoRA."""
+    ranks = [lora.rank for _, lora in server.lora_models()]
+    if not ranks:
         return None
     if server.vllm.max_lora_rank is not None:
         return server.vllm.max_lora_rank
-    return min((r for r in VLLM_LORA_RANKS if r >= lora.rank), default=VLLM_LORA_RANKS[-1])
+    return min((r for r in VLLM_LORA_RANKS if r >= max(ranks)), default=VLLM_LORA_RANKS[-1])
+
+
+def lora_slots(server: ServerConfig) -> int:
+    """The ``max_loras`` the server's vLLM engine is built with: the configured one, else one slot per
+    LoRA model of the server."""
+    return server.vllm.max_loras or max(1, len(server.lora_models()))
 
 
 def _lora_issues(topology: Topology) -> list[ConfigIssue]:
-    """An adapter rank above the engine's ``max_lora_rank``."""
+    """An adapter rank above the engine's ``max_lora_rank``; fewer LoRA slots than adapters; what a server
+    with adapters cannot do (full fine-tuning of the shared base, the transformers engine, colocate)."""
     issues = []
     for i, server in enumerate(topology.servers):
-        lora = server.trainer.lora if server.trainer is not None else None
         limit = lora_rank_limit(server)
-        if lora is not None and limit is not None and lora.rank > limit:
+        for j, model in enumerate(server.models()):
+            lora = model.trainer.lora if model.trainer is not None else None
+            where = f"servers[{i}]" if j == 0 else f"servers[{i}].adapters[{j - 1}]"
+            if lora is not None and limit is not None and lora.rank > limit:
+                issues.append(
+                    ConfigIssue(
+                        f"{where}.trainer.lora.rank",
+                        f"rank {lora.rank} is above servers[{i}].vllm.max_lora_rank={limit}: vLLM would "
+                        "refuse the adapter; raise max_lora_rank or lower the rank",
+                    )
+                )
+        if server.adapters:
+            issues += _adapter_issues(i, server)
+    return issues
+
+
+def _adapter_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
+    issues = []
+    if server.trainer is not None and server.trainer.lora is None:
+        issues.append(
+            ConfigIssue(
+                f"servers[{i}].trainer",
+                f"full fine-tuning would change the base model that the adapters of server {server.name!r} "
+                "share: give the server trainer.lora, or trainer: null to serve the bare base",
+            )
+        )
+    for j, adapter in enumerate(server.adapters):
+        if adapter.trainer is not None and adapter.trainer.lora is None:
             issues.append(
                 ConfigIssue(
-                    f"servers[{i}].trainer.lora.rank",
-                    f"rank {lora.rank} is above servers[{i}].vllm.max_lora_rank={limit}: vLLM would refuse "
-                    "the adapter; raise max_lora_rank or lower the rank",
+                    f"servers[{i}].adapters[{j}].trainer.lora",
+                    f"adapter {adapter.name!r} trains a LoRA adapter of the shared base: set trainer.lora "
+                    "(or trainer: null to serve the bare base under this name)",
                 )
             )
+    if server.engine == "transformers":
+        issues.append(
+            ConfigIssue(
+                f"servers[{i}].engine",
+                "a server with adapters serves them all from one engine with multi-LoRA: use engine vllm",
+            )
+        )
+    if server.placement == "colocate":
+        issues.append(
+            ConfigIssue(
+                f"servers[{i}].placement",
+                "a server with adapters runs its trainers beside the engine: use placement split "
+                "(colocate, where the engine sleeps for one trainer's step, is not supported with several)",
+            )
+        )
+    count = len(server.lora_models())
+    if server.vllm.max_loras is not None and server.vllm.max_loras < count:
+        issues.append(
+            ConfigIssue(
+                f"servers[{i}].vllm.max_loras",
+                f"max_loras {server.vllm.max_loras} is below the {count} LoRA models of server "
+                f"{server.name!r}: every adapter needs its slot; raise it or leave it null",
+            )
+        )
     return issues
 
 
@@ -766,7 +880,11 @@ def _mix_issues(topology: Topology) -> list[ConfigIssue]:
 
 
 def server_placement(server: ServerConfig) -> Placement:
-    """Where the server's engine and trainer ranks run (``PlacementError`` when impossible)."""
+    """Where the server's engine and trainer ranks run (``PlacementError`` when impossible). For a server
+    with adapters, that of its first trained model: every model's ranks use the same trainer devices
+    (each model's own: ``server_placement`` of ``ServerConfig.models()``'s entry)."""
+    if server.adapters and server.trainer is None:
+        server = next((m for m in server.models() if m.trainer is not None), server)
     return plan_placement(
         nodes=server.nodes,
         gpus_per_node=server.gpus_per_node,
@@ -807,6 +925,21 @@ def _missing_envs(topology: Topology, envs_dir: Path) -> list[ConfigIssue]:
                     f"files there: {', '.join(present) or '(none)'}",
                 )
             )
+    return issues
+
+
+def _duplicates_of_models(topology: Topology) -> list[ConfigIssue]:
+    """Model names (servers and their adapters) must be unique over the run."""
+    first: dict[str, str] = {}
+    issues = []
+    for i, server in enumerate(topology.servers):
+        named = [(f"servers[{i}]", server.name)]
+        named += [(f"servers[{i}].adapters[{j}]", a.name) for j, a in enumerate(server.adapters)]
+        for path, name in named:
+            if name in first:
+                issues.append(ConfigIssue(f"{path}.name", f"duplicate name {name!r} (also {first[name]})"))
+            else:
+                first[name] = path
     return issues
 
 

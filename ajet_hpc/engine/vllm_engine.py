@@ -14,6 +14,9 @@ With ``lora_adapter`` the engine serves a LoRA adapter of its base model (vLLM's
 every request runs with the adapter, which starts as the given folder (the version-0 adapter,
 `ajet_hpc.engine.adapter`) and is replaced in place (``add_lora`` with ``load_inplace``) when
 `load_weights` gets a newer adapter folder, under the same pause, prefix-cache reset and version tag.
+With ``lora_adapters`` it serves several named adapters of the one base at once, each request naming its
+own (``generate(..., adapter=name)``; `BARE_BASE` runs the base without any), each replaced in place by
+`load_adapter`: the models of a server with adapters (`ajet_hpc.engine.shared`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = get_args(Dtype)
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+BARE_BASE = ""
+"""``generate(..., adapter=BARE_BASE)``: the base model's own weights, no adapter."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +91,18 @@ class VllmSettings:
     (see the module doc); None: the model's own weights."""
     lora_name: str = "policy"
     """vLLM's name of the served adapter."""
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    """More adapters served beside ``lora_adapter``: (name, first folder) each; a request names its own."""
     max_loras: int = 1
-    """With ``lora_adapter``: adapters vLLM holds on the device at once."""
+    """With LoRA: adapters vLLM holds on the device at once (at least as many as it serves)."""
     max_lora_rank: int = 16
-    """With ``lora_adapter``: the largest adapter rank vLLM serves (one of vLLM's LoRA ranks)."""
+    """With LoRA: the largest adapter rank vLLM serves (one of vLLM's LoRA ranks)."""
+
+    @property
+    def served_adapters(self) -> tuple[tuple[str, str], ...]:
+        """Every adapter the engine serves, (name, first folder), ``lora_adapter`` first."""
+        first = ((self.lora_name, self.lora_adapter),) if self.lora_adapter is not None else ()
+        return first + tuple(self.lora_adapters)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,6 +113,11 @@ class VllmSettings:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
+        names = [name for name, _ in self.served_adapters]
+        if len(set(names)) != len(names) or BARE_BASE in names:
+            raise ValueError(f"adapter names must be distinct and not empty, got {names}")
+        if len(names) > self.max_loras:
+            raise ValueError(f"{len(names)} adapters need max_loras >= {len(names)}, got {self.max_loras}")
         if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
             raise ValueError("tensor_parallel_size and max_num_seqs must be >= 1")
         if self.cpu_kv_cache_gib < 1:
@@ -126,7 +144,8 @@ class VllmEngine(EngineLifecycle):
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
         self._stopping = Path(os.devnull)  # set by start()
-        self._lora: Any = None  # the LoRARequest every request carries (with ``lora_adapter``)
+        self._lora: Any = None  # the LoRARequest a request without an adapter name carries (``lora_adapter``)
+        self._adapters: dict[str, Any] = {}  # name -> the LoRARequest of every served adapter
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -173,8 +192,10 @@ class VllmEngine(EngineLifecycle):
         # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._reload_lock = asyncio.Lock()
+        for name, folder in settings.served_adapters:
+            await self._add_adapter(name, Path(folder), inplace=False)
         if settings.lora_adapter is not None:
-            await self._add_adapter(Path(settings.lora_adapter), inplace=False)
+            self._lora = self._adapters[settings.lora_name]
         log.info(
             "vllm engine: loaded %s (%s, %s, max_model_len %d) in %.1f s",
             self.model_path,
@@ -214,13 +235,26 @@ class VllmEngine(EngineLifecycle):
         log.info("vllm engine: stopped in %.1f s", time.monotonic() - started)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        stream: bool = True,
+        adapter: str | None = None,
     ) -> AsyncIterator[Chunk]:
+        """`Engine.generate`; ``adapter`` names the served adapter to run with (`BARE_BASE`: none), None
+        the default one (``lora_adapter``, or none)."""
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
 
         if self._llm is None:
             raise EngineError("the engine is not started: call start() first")
+        lora = (
+            self._lora if adapter is None else None if adapter == BARE_BASE else self._adapters.get(adapter)
+        )
+        if adapter and lora is None:
+            raise EngineError(f"no adapter named {adapter!r}; the engine serves {sorted(self._adapters)}")
         max_tokens = check_prompt(prompt_ids, self._vocab_size, params.max_tokens, self.max_model_len)
         if request_id in self._in_flight:
             raise EngineError(f"request id {request_id!r} is already in flight")
@@ -228,7 +262,7 @@ class VllmEngine(EngineLifecycle):
             tokens_input(list(prompt_ids)),
             _vllm_params(params, max_tokens, stream),
             request_id,
-            lora_request=self._lora,
+            lora_request=lora,
         )
         self._in_flight.add(request_id)
         try:
@@ -273,18 +307,22 @@ class VllmEngine(EngineLifecycle):
             raise EngineError(mismatch)
         if self._asleep:
             await self.wake_up()
+
+        def tag() -> None:
+            self.policy_version = version
+
+        if adapter:
+            await self._swap_adapter(self.settings.lora_name, path, version, tag)
+            return
         async with self._reload_lock:
             started = time.monotonic()
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                if adapter:
-                    await self._add_adapter(path, inplace=True)
-                else:
-                    await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
+                await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
-                self.policy_version = version  # before any token of the new weights streams out
+                tag()  # before any token of the new weights streams out
             finally:
                 await llm.resume_generation()
             log.info(
@@ -294,19 +332,60 @@ class VllmEngine(EngineLifecycle):
                 time.monotonic() - started,
             )
 
-    async def _add_adapter(self, path: Path, inplace: bool) -> None:
-        """Load the adapter folder into vLLM as the served adapter (id 1), in place of the one there;
-        requests then carry a request naming it (without ``load_inplace``, which would reload per use)."""
+    async def load_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
+        """Replace the served adapter ``name`` by the folder ``path`` in place, as `load_weights` does for
+        the default one; ``tag`` runs before generation resumes (the model's policy version)."""
+        if self._llm is None or self._reload_lock is None:
+            raise EngineError("the engine is not started: call start() first")
+        if name not in self._adapters:
+            raise EngineError(f"no adapter named {name!r}; the engine serves {sorted(self._adapters)}")
+        mismatch = kind_mismatch(Path(path), True)
+        if mismatch is not None:
+            raise EngineError(mismatch)
+        await self._swap_adapter(name, Path(path), version, tag)
+
+    async def _swap_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
+        assert self._reload_lock is not None
+        async with self._reload_lock:
+            started = time.monotonic()
+            llm = self._llm
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._add_adapter(name, path, inplace=True)
+                # the prefix cache keys blocks by adapter, but requests in flight of this adapter hold KV
+                # computed with its old weights: recompute them (other adapters' lose only their cache)
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                if name == self.settings.lora_name:
+                    await llm.update_weight_version(str(version))
+                tag()  # before any token of the new weights streams out
+            finally:
+                await llm.resume_generation()
+            log.info(
+                "vllm engine: loaded adapter %s from %s as policy version %d in %.3f s",
+                name,
+                path,
+                version,
+                time.monotonic() - started,
+            )
+
+    async def _add_adapter(self, name: str, path: Path, inplace: bool) -> None:
+        """Load the adapter folder into vLLM as the adapter ``name`` (its id kept), in place of the one
+        there; requests then carry a request naming it (without ``load_inplace``, which would reload per
+        use)."""
         from vllm.lora.request import LoRARequest
 
-        name = self.settings.lora_name
+        known = self._adapters.get(name)
+        lora_id = known.lora_int_id if known is not None else len(self._adapters) + 1
         try:
-            loaded = await self._llm.add_lora(LoRARequest(name, 1, str(path), load_inplace=inplace))
+            loaded = await self._llm.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=inplace))
         except Exception as error:  # vLLM's message names the shape or rank it refused
             raise EngineError(f"vLLM refused the LoRA adapter {path}: {error}") from error
         if not loaded:
             raise EngineError(f"vLLM did not load the LoRA adapter {path}")
-        self._lora = LoRARequest(name, 1, str(path))
+        request = LoRARequest(name, lora_id, str(path))
+        self._adapters[name] = request
+        if self._lora is not None and name == self._lora.lora_name:
+            self._lora = request
 
     # ---- in-memory weight sync (vLLM's weight-transfer API; the trainer drives it, see trainer/weight_sync)
 
@@ -393,7 +472,7 @@ class VllmEngine(EngineLifecycle):
 
 
 def _lora_args(settings: VllmSettings) -> dict[str, Any]:
-    if settings.lora_adapter is None:
+    if not settings.served_adapters:
         return {}
     return {"enable_lora": True, "max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
 

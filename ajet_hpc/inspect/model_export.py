@@ -36,7 +36,7 @@ def trained_server(run: RunDir, name: str | None) -> ServerConfig:
     """The run's trainable server ``name``, or its only one."""
     if not run.exists():
         raise ExportError(f"{run.root} is not a run directory (no {run.topology_file.name})")
-    trained = [s for s in run.load_topology().servers if s.trainer is not None]
+    trained = [s for s in run.load_topology().models if s.trainer is not None]
     names = ", ".join(s.name for s in trained) or "(none)"
     if name is None:
         if len(trained) != 1:

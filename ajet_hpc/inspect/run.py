@@ -80,7 +80,7 @@ class Run:
 
     def model_names(self) -> list[str]:
         """Servers of the topology, in order, then stores of other names found under ``RUN/data``."""
-        names = [server.name for server in self.topology.servers]
+        names = [server.name for server in self.topology.models]
         if self.data_dir.is_dir():
             names += sorted(p.stem for p in self.data_dir.glob("*.h5") if p.stem not in names)
         return names

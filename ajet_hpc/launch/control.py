@@ -63,7 +63,7 @@ def describe_servers(run: RunDir, now: float | None = None) -> list[str]:
     a server that finished early or failed on the next line."""
     now = time.time() if now is None else now
     lines = []
-    for server in run.load_topology().servers:
+    for server in run.load_topology().models:
         try:
             record = rendezvous.read(run.rendezvous_file(server.name))
         except ValueError as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,10 +76,11 @@ def trainer_bytes_per_rank(
 
 
 def server_fit_issues(
-    index: int, server: ServerConfig, size: ModelSize, adapter: int | None = None
+    index: int, server: ServerConfig, size: ModelSize, adapters: Mapping[str, int] | None = None
 ) -> list[ConfigIssue]:
-    """What does not fit on the server's GPUs, each issue naming the field to change (``adapter``: the
-    parameter count of its ``trainer.lora`` adapter)."""
+    """What does not fit on the server's GPUs, each issue naming the field to change (``adapters``: the
+    parameter count of each of its models' ``trainer.lora`` adapter, by model name). A server with
+    adapters runs one set of trainer ranks per trained model on the same GPUs: their states add up."""
     if server.gpus_per_node == 0:
         return []
     placement = server_placement(server)
@@ -100,12 +102,24 @@ def server_fit_issues(
                 "vllm.gpu_memory_utilization",
             )
         )
-    trainer = server.trainer
-    if trainer is None or placement.world_size == 0:
+    trainers = [m for m in server.models() if m.trainer is not None]
+    if not trainers or placement.world_size == 0:
         return issues
-    need = trainer_bytes_per_rank(
-        size.parameters, placement.world_size, trainer.zero_stage, trainer.kl_coef > 0, adapter
+    trainer = server.trainer or trainers[0].trainer
+    assert trainer is not None
+    need = sum(
+        trainer_bytes_per_rank(
+            size.parameters,
+            placement.world_size,
+            m.trainer.zero_stage,
+            m.trainer.kl_coef > 0,
+            (adapters or {}).get(m.name),
+        )
+        for m in trainers
+        if m.trainer is not None
     )
+    if len(trainers) > 1:
+        what += f", {len(trainers)} trained models"
     colocated = placement.mode == "colocate"
     room = ((1 - vllm.gpu_memory_utilization) if colocated else (1 - ACTIVATION_HEADROOM)) * gpu
     if need > room:
@@ -131,14 +145,13 @@ def fit_issues(topology: Topology) -> list[ConfigIssue]:
         model_dir = Path(server.model).expanduser()
         if not (model_dir / "config.json").is_file():
             continue  # the model field's own check reports it
-        lora = server.trainer.lora if server.trainer is not None else None
         try:
             size = model_size(model_dir)
-            adapter = adapter_parameters(model_dir, lora) if lora is not None else None
+            adapters = {name: adapter_parameters(model_dir, lora) for name, lora in server.lora_models()}
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
             issues.append(
                 ConfigIssue(f"servers[{index}].model", f"cannot read {model_dir / 'config.json'}: {error}")
             )
             continue
-        issues += server_fit_issues(index, server, size, adapter)
+        issues += server_fit_issues(index, server, size, adapters)
     return issues

@@ -26,13 +26,20 @@ def lora_issues(topology: Topology) -> list[ConfigIssue]:
     """What keeps each LoRA server's model or engine from taking its adapter, naming the field."""
     issues: list[ConfigIssue] = []
     for index, server in enumerate(topology.servers):
-        if server.trainer is None or server.trainer.lora is None:
+        if not server.lora_models():
             continue
         with tempfile.TemporaryDirectory(prefix="ajet-lora-check-") as scratch:
             model_dir = _model_dir(server, Path(scratch))
             if model_dir is None:
                 continue  # the model field's own check reports it
-            issues += _server_issues(index, server, model_dir)
+            for j, model in enumerate(server.models()):
+                if model.trainer is not None and model.trainer.lora is not None:
+                    where = f"servers[{index}]" if j == 0 else f"servers[{index}].adapters[{j - 1}]"
+                    issues += _server_issues(where, model, model_dir)
+            if server.engine != "transformers" and resolve_kind(server.engine) == "vllm":
+                refusal = _vllm_refusal(model_dir)
+                if refusal is not None:
+                    issues.append(ConfigIssue(f"servers[{index}].engine", refusal))
     return issues
 
 
@@ -43,10 +50,9 @@ def _model_dir(server: ServerConfig, scratch: Path) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def _server_issues(index: int, server: ServerConfig, model_dir: Path) -> list[ConfigIssue]:
+def _server_issues(where: str, server: ServerConfig, model_dir: Path) -> list[ConfigIssue]:
     assert server.trainer is not None and server.trainer.lora is not None
     lora = server.trainer.lora
-    where = f"servers[{index}]"
     try:
         have = linear_module_names(model_dir)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
@@ -61,10 +67,6 @@ def _server_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
                 f"are: {', '.join(sorted(have))}",
             )
         )
-    if server.engine != "transformers" and resolve_kind(server.engine) == "vllm":
-        refusal = _vllm_refusal(model_dir)
-        if refusal is not None:
-            issues.append(ConfigIssue(f"{where}.engine", refusal))
     return issues
 
 

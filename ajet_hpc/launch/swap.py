@@ -408,7 +408,7 @@ def server_positions(run: RunDir, topology: Topology) -> dict[str, dict[str, Any
         last[row.get("model", "")] = row
     secret = run.read_secret()
     positions = {}
-    for server in topology.servers:
+    for server in topology.models:
         row = last.get(server.name, {})
         entry: dict[str, Any] = {
             "step": int(row.get("step", 0)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import threading
 import time
@@ -160,6 +161,27 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+@contextlib.asynccontextmanager
+async def running(ctx: ServerContext) -> AsyncIterator[None]:
+    """One model's background work while the app serves, its engine started: the episode sweeper, the
+    coordinator's training loop and the watchdog; on the way out the trainer and the store are closed."""
+    tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
+    training = None
+    if ctx.coordinator is not None:
+        training = asyncio.create_task(ctx.coordinator.run(), name=f"coordinator-{ctx.name}")
+        tasks.append(training)
+    tasks.append(asyncio.create_task(watchdog.watch(ctx, training), name=f"watchdog-{ctx.name}"))
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        if ctx.coordinator is not None:
+            ctx.coordinator.close()
+        if ctx.recorder is not None:
+            ctx.recorder.close()
+
+
 def create_app(ctx: ServerContext, manage_engine: bool = True, freeze_heap: bool = False) -> FastAPI:
     """The FastAPI app. With ``manage_engine`` the app starts and stops the engine with itself. With
     ``freeze_heap`` (the server's own process: ``ajet_hpc.server.process``) what exists once the engine has
@@ -168,34 +190,20 @@ def create_app(ctx: ServerContext, manage_engine: bool = True, freeze_heap: bool
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
-            if ctx.coordinator is not None:
-                ctx.coordinator.prestart()  # the ranks load while the engine does
-            try:
-                await ctx.engine.start()
-            except BaseException:
-                if ctx.coordinator is not None:
-                    ctx.coordinator.close()
-                raise
+            await _start_engine(ctx.engine, [ctx])
         if freeze_heap:
             freeze_startup_heap()
-        tasks = [asyncio.create_task(ctx.episodes.run_sweeper())]
-        training = None
-        if ctx.coordinator is not None:
-            training = asyncio.create_task(ctx.coordinator.run(), name="coordinator")
-            tasks.append(training)
-        tasks.append(asyncio.create_task(watchdog.watch(ctx, training), name="watchdog"))
         try:
-            yield
+            async with running(ctx):
+                yield
         finally:
-            for task in tasks:
-                task.cancel()
-            if ctx.coordinator is not None:
-                ctx.coordinator.close()
-            if ctx.recorder is not None:
-                ctx.recorder.close()
             if manage_engine:
                 await ctx.engine.stop()
 
+    return _model_app(ctx, lifespan)
+
+
+def _model_app(ctx: ServerContext, lifespan=None) -> FastAPI:
     app = FastAPI(title=f"ajet_hpc server {ctx.name}", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -203,3 +211,81 @@ def create_app(ctx: ServerContext, manage_engine: bool = True, freeze_heap: bool
     app.include_router(challenge.router)
     app.add_middleware(RequestGate, ctx=ctx)  # token and body size, before the body is read
     return app
+
+
+async def _start_engine(engine: Engine, contexts: list[ServerContext]) -> None:
+    """Start the engine, the models' trainer ranks loading meanwhile (closed again if the engine fails)."""
+    for ctx in contexts:
+        if ctx.coordinator is not None:
+            ctx.coordinator.prestart()  # the ranks load while the engine does
+    try:
+        await engine.start()
+    except BaseException:
+        for ctx in contexts:
+            if ctx.coordinator is not None:
+                ctx.coordinator.close()
+        raise
+
+
+MODEL_PREFIX = "/m/"
+"""A server with adapters serves its model ``name`` under ``/m/<name>`` (each model's rendezvous URL)."""
+
+
+class SwarmApp:
+    """The ASGI application of a server with adapters: one app per model (`create_app`'s routes, gate and
+    errors, the model's context), reached under ``/m/<name>``, over one shared engine that this app starts
+    once and stops once, around every model's background work (`running`). ``/health`` outside a model
+    answers for the process; any other path outside the models is a 404 naming them."""
+
+    def __init__(self, engine: Engine, contexts: list[ServerContext], freeze_heap: bool = False) -> None:
+        self.engine, self.contexts, self.freeze_heap = engine, contexts, freeze_heap
+        self.apps = {ctx.name: _model_app(ctx) for ctx in contexts}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        path: str = scope.get("path", "")
+        if path.startswith(MODEL_PREFIX):
+            name, _, rest = path[len(MODEL_PREFIX) :].partition("/")
+            app = self.apps.get(name)
+            if app is not None:
+                prefix = MODEL_PREFIX + name
+                inner = dict(scope, path="/" + rest, root_path=scope.get("root_path", "") + prefix)
+                if scope.get("raw_path"):
+                    inner["raw_path"] = scope["raw_path"][len(prefix) :] or b"/"
+                await app(inner, receive, send)
+                return
+        if scope["type"] != "http":
+            return
+        if path == "/health":
+            await _send_json(send, 200, {"status": "ok", "models": list(self.apps)})
+            return
+        known = ", ".join(f"{MODEL_PREFIX}{name}" for name in self.apps)
+        await _send_json(send, 404, {"error": {"message": f"no model at {path}; this server serves {known}"}})
+
+    async def _lifespan(self, receive, send) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await _start_engine(self.engine, self.contexts)
+                stack.push_async_callback(self.engine.stop)
+                if self.freeze_heap:
+                    freeze_startup_heap()
+                for ctx in self.contexts:
+                    await stack.enter_async_context(running(ctx))
+            except BaseException as error:
+                await send({"type": "lifespan.startup.failed", "message": f"{type(error).__name__}: {error}"})
+                raise
+            await send({"type": "lifespan.startup.complete"})
+            message = await receive()
+            assert message["type"] == "lifespan.shutdown"
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

@@ -9,6 +9,7 @@ placement and the engine kind, and goes to the engine's settings and to the trai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -19,11 +20,20 @@ from typing import Any, Literal
 
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import co_trained, lora_rank_limit, mix_of, repeats_feeding, server_placement
+from ajet_hpc.config.topology import (
+    co_trained,
+    lora_rank_limit,
+    lora_slots,
+    mix_of,
+    repeats_feeding,
+    server_placement,
+)
 from ajet_hpc.engine.adapter import write_initial_adapter
+from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine, resolve_kind
-from ajet_hpc.engine.vllm_engine import VllmEngine
+from ajet_hpc.engine.shared import SharedModel
+from ajet_hpc.engine.vllm_engine import BARE_BASE, VllmEngine
 from ajet_hpc.server.app import ServerContext
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.slurm.environment import JobEnvironment
@@ -61,13 +71,71 @@ def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) ->
     settings = engine_settings(config, placement, kind, sync)
     settings.update(lora_settings(config, model_path, kind))
     engine = create_engine(kind, model_path, **settings)
+    parts = _Parts(run, topology, job, placement, model_path, step_env)
+    return model_context(parts, config, engine, sync, job.public_url)
+
+
+def assemble_shared(
+    run: RunDir, topology: Topology, host: ServerConfig, job: Job
+) -> tuple[VllmEngine, list[ServerContext]]:
+    """A server with adapters (``servers[].adapters``): one vLLM engine serving every model of it (each
+    LoRA model's version-0 adapter written here), and one context per model, at ``<url>/m/<name>``, each
+    with its own store and trainer over a `SharedModel` of the engine."""
+    placement = server_placement(host)
+    for line in placement.describe():
+        log.info("placement: %s", line)
+    step_env = bind_engine_gpus(placement, os.environ)
+    kind = resolve_kind(host.engine)
+    if kind != "vllm":
+        raise SystemExit(f"server {host.name} has adapters: it needs the vllm engine, which is not installed")
+    model_path = resolve_model(host.model, run.models_dir)
+    settings = engine_settings(host, placement, kind, decide(None, placement, kind))
+    adapters = tuple(
+        (name, str(write_initial_adapter(model_path, lora, _node_local(f"ajet-{name}-lora-v0-"))))
+        for name, lora in host.lora_models()
+    )
+    settings.update(lora_adapters=adapters, max_loras=lora_slots(host), max_lora_rank=lora_rank_limit(host))
+    engine = create_engine(kind, model_path, **settings)
+    assert isinstance(engine, VllmEngine)
+    lora_names = {name for name, _ in adapters}
+    parts = _Parts(run, topology, job, placement, model_path, step_env)
+    contexts = []
+    for model in host.models():
+        served = SharedModel(engine, model.name if model.name in lora_names else BARE_BASE)
+        what = "a LoRA adapter" if model.name in lora_names else "the bare base"
+        log.info(
+            "model %s: %s of %s (%s)", model.name, what, host.model, "trains" if model.trainer else "serves"
+        )
+        own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
+        sync = decide(model.trainer, own.placement, kind)
+        contexts.append(model_context(own, model, served, sync, f"{job.public_url}/m/{model.name}"))
+    return engine, contexts
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What every model of a server job shares."""
+
+    run: RunDir
+    topology: Topology
+    job: Job
+    placement: Placement
+    model_path: Path
+    step_env: dict[str, str]
+
+
+def model_context(
+    parts: _Parts, config: ServerConfig, engine: Engine, sync: SyncPlan, url: str
+) -> ServerContext:
+    """One model's context: its store open, its ended episodes restored, its trainer attached."""
+    run, topology = parts.run, parts.topology
     ctx = ServerContext(
         name=config.name,
         engine=engine,
         settings=config.serving,
         secret=run.read_secret(),
-        job_id=job.environment.job_id,
-        public_url=job.public_url,
+        job_id=parts.job.environment.job_id,
+        public_url=url,
     )
     # group commit: episodes ending together share one fsync (docs/storage.md)
     recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
@@ -79,17 +147,17 @@ def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) ->
     if config.trainer is not None:
         setup = TrainerSetup(
             server=config,
-            model_path=model_path,
+            model_path=parts.model_path,
             run=run,
-            on_slurm=job.environment.on_slurm,
-            placement=placement,
+            on_slurm=parts.job.environment.on_slurm,
+            placement=parts.placement,
             sync=sync,
             receiver=engine if sync.in_memory and isinstance(engine, VllmEngine) else None,
             mix=mix_of(topology, config.name),
             repeats_of=repeats_feeding(topology, config.name),
             ended_count=ctx.episodes.ended_count,
             sources_ended=lambda: sources_ended(run, topology, config.name),
-            rank_env=step_env,
+            rank_env=parts.step_env,
             stored=stored,
             trackers=trackers_of(run, topology, config.name),
         )
@@ -131,13 +199,18 @@ def lora_settings(config: ServerConfig, model_path: Path, kind: Literal["vllm", 
     lora = config.trainer.lora if config.trainer is not None else None
     if lora is None:
         return {}
-    folder = Path(tempfile.mkdtemp(prefix=f"ajet-{config.name}-lora-v0-", dir=os.environ.get("SLURM_TMPDIR")))
+    folder = _node_local(f"ajet-{config.name}-lora-v0-")
     settings: dict[str, Any] = {"lora_adapter": str(write_initial_adapter(model_path, lora, folder))}
     if kind == "vllm":
-        settings["max_loras"] = config.vllm.max_loras
+        settings["max_loras"] = lora_slots(config)
         settings["max_lora_rank"] = lora_rank_limit(config)
     log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, config.name)
     return settings
+
+
+def _node_local(prefix: str) -> Path:
+    """A new folder on node-local storage (the job's ``SLURM_TMPDIR``, else the system's temp dir)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("SLURM_TMPDIR")))
 
 
 def bind_engine_gpus(placement: Placement, environ: MutableMapping[str, str]) -> dict[str, str]:

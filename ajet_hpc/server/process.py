@@ -14,14 +14,15 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
-from ajet_hpc.server.app import ServerContext, create_app
-from ajet_hpc.server.assembly import Job, assemble
+from ajet_hpc.server.app import ServerContext, SwarmApp, create_app
+from ajet_hpc.server.assembly import Job, assemble, assemble_shared
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
@@ -164,15 +165,16 @@ class _Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-def _stop_when_idle(ctx: ServerContext, server: uvicorn.Server, grace_s: float = 60.0) -> None:
+def _stop_when_idle(contexts: list[ServerContext], server: uvicorn.Server, grace_s: float = 60.0) -> None:
     """Once training is complete (or failed): let open episodes end (at most ``grace_s``), then stop
     serving."""
 
     def wait() -> None:
         deadline = time.monotonic() + grace_s
-        while ctx.episodes.open_count and time.monotonic() < deadline:
+        while any(ctx.episodes.open_count for ctx in contexts) and time.monotonic() < deadline:
             time.sleep(0.5)
-        log.info("%s; stopping the server", "failed" if ctx.failed else "training complete")
+        failed = any(ctx.failed for ctx in contexts)
+        log.info("%s; stopping the server", "failed" if failed else "training complete")
         server.should_exit = True
 
     threading.Thread(target=wait, name="stop-when-idle", daemon=True).start()
@@ -190,17 +192,28 @@ def _saving_on_sigterm(handle_exit):
     return handle
 
 
-def _save_on_signal(ctx: ServerContext, budget_s: float) -> None:
-    """The server's part of the save when its job goes down (see ``preemption``)."""
+def _save_on_signal(contexts: list[ServerContext], budget_s: float) -> None:
+    """The server's part of the save when its job goes down (see ``preemption``): every model's trainer
+    is asked to save at once (their ranks save in parallel), then every store flushes."""
     started = time.monotonic()
     try:
-        if ctx.coordinator is not None and not ctx.training_done:
-            ctx.coordinator.save_on_signal(budget_s)
+        training = [c.coordinator for c in contexts if c.coordinator is not None and not c.training_done]
+        if len(training) == 1:
+            training[0].save_on_signal(budget_s)
+        elif training:
+            savers = [
+                threading.Thread(target=coordinator.save_on_signal, args=(budget_s,), name="save-on-signal")
+                for coordinator in training
+            ]
+            for saver in savers:
+                saver.start()
+            for saver in savers:
+                saver.join()
     finally:
-        if ctx.recorder is not None and not ctx.recorder.flush(
-            max(1.0, budget_s - (time.monotonic() - started))
-        ):
-            log.warning("signal: the episode store did not flush in time")
+        for ctx in contexts:
+            left = max(1.0, budget_s - (time.monotonic() - started))
+            if ctx.recorder is not None and not ctx.recorder.flush(left):
+                log.warning("signal: the episode store of %s did not flush in time", ctx.name)
 
 
 def is_server_process(environ: Mapping[str, str] = os.environ) -> bool:
@@ -234,47 +247,57 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         "server %s (job %s) on node %s, listening on %s:%d", config.name, job.job_id, job.node, host, port
     )
     scheme = "https" if config.serving.tls_certfile else "http"  # TLS: docs/security.md
-    ctx = assemble(run, topology, config, Job(job, public_url=f"{scheme}://{host}:{port}"))
-    server = _uvicorn_server(ctx, config)
-    record = rendezvous.Rendezvous(
-        name=config.name,
-        url=ctx.public_url,
-        host=host,
-        port=port,
-        pid=os.getpid(),
-        job_id=job.job_id,
-        node=job.node,
-        started_at=ctx.started_at,
-    )
-    heartbeat = _Heartbeat(run.rendezvous_file(config.name), record, server, ctx)
-    _stop_when_over(ctx, server, heartbeat)
-    heartbeat.start()
+    where = Job(job, public_url=f"{scheme}://{host}:{port}")
+    if config.adapters:  # several models on one engine, each under /m/<name> (docs/lora.md)
+        engine, contexts = assemble_shared(run, topology, config, where)
+        app: Any = SwarmApp(engine, contexts, freeze_heap=True)
+    else:
+        contexts = [assemble(run, topology, config, where)]
+        app = create_app(contexts[0], freeze_heap=True)
+    server = _uvicorn_server(app, config)
+    heartbeats = []
+    for ctx in contexts:
+        record = rendezvous.Rendezvous(
+            name=ctx.name,
+            url=ctx.public_url,
+            host=host,
+            port=port,
+            pid=os.getpid(),
+            job_id=job.job_id,
+            node=job.node,
+            started_at=ctx.started_at,
+        )
+        heartbeats.append(_Heartbeat(run.rendezvous_file(ctx.name), record, server, ctx))
+    _stop_when_over(contexts, server, heartbeats)
+    for heartbeat in heartbeats:
+        heartbeat.start()
     # the job going down (USR2, SIGTERM, the time limit near) saves once, then stops (``preemption``)
     cluster = topology.cluster
     preemption.configure(
         preemption.Budgets.of(cluster.signal_delay_s, cluster.kill_wait_s),
         job.job_id if job.on_slurm else None,
     )
-    unregister = preemption.on_signal(lambda budget_s: _save_on_signal(ctx, budget_s))
+    unregister = preemption.on_signal(lambda budget_s: _save_on_signal(contexts, budget_s))
     server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
-    watch = _watch_deadline(job, cluster.signal_delay_s, server, ctx)
+    watch = _watch_deadline(job, cluster.signal_delay_s, server, contexts)
     try:
         server.run(sockets=[sock])
     finally:
         if watch is not None:
             watch.stop()
         unregister()
-        heartbeat.stop()
-        _leave(ctx, run.rendezvous_file(config.name), heartbeat)
+        for ctx, heartbeat in zip(contexts, heartbeats, strict=True):
+            heartbeat.stop()
+            _leave(ctx, run.rendezvous_file(ctx.name), heartbeat)
         sock.close()
-    return EXIT_FAILED if ctx.failed else 0
+    return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
 
 
-def _uvicorn_server(ctx: ServerContext, config: ServerConfig) -> GracefulServer:
+def _uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:
     tls = config.serving
     return GracefulServer(
         uvicorn.Config(
-            create_app(ctx, freeze_heap=True),
+            app,
             log_level="warning",
             access_log=False,
             ssl_certfile=tls.tls_certfile,
@@ -284,24 +307,40 @@ def _uvicorn_server(ctx: ServerContext, config: ServerConfig) -> GracefulServer:
     )
 
 
-def _stop_when_over(ctx: ServerContext, server: uvicorn.Server, heartbeat: _Heartbeat) -> None:
-    """Once training is complete, or the server failed: say so in the rendezvous, then stop serving."""
+def _stop_when_over(
+    contexts: list[ServerContext], server: uvicorn.Server, heartbeats: list[_Heartbeat]
+) -> None:
+    """Once a model's training is complete, or it failed: say so in its rendezvous; once every trained
+    model of the server is over, stop serving (a model that only serves finishes with them)."""
 
-    def on_finished() -> None:
-        preemption.work_over("training is complete")
+    def over(ctx: ServerContext) -> bool:
+        return ctx.failed or ctx.training_done
+
+    trained = [ctx for ctx in contexts if ctx.coordinator is not None] or contexts
+
+    def on_over(heartbeat: _Heartbeat, grace_s: float) -> None:
         heartbeat.try_beat()
-        _stop_when_idle(ctx, server)
+        if not all(over(ctx) for ctx in trained):
+            return
+        for ctx, other in zip(contexts, heartbeats, strict=True):
+            if not over(ctx):  # a model that only serves beside the trained ones
+                ctx.reason = ctx.reason or "the models trained beside it are done"
+                ctx.training_done = True
+                other.try_beat()
+        failed = any(ctx.failed for ctx in contexts)
+        preemption.work_over("the server failed" if failed else "training is complete")
+        _stop_when_idle(contexts, server, grace_s)
 
-    def on_failed() -> None:
-        preemption.work_over("the server failed")
-        heartbeat.try_beat()
-        _stop_when_idle(ctx, server, grace_s=5.0)
-
-    ctx.on_finished, ctx.on_failed = on_finished, on_failed
+    for ctx, heartbeat in zip(contexts, heartbeats, strict=True):
+        ctx.on_finished = lambda heartbeat=heartbeat: on_over(heartbeat, 60.0)
+        ctx.on_failed = lambda heartbeat=heartbeat: on_over(heartbeat, 5.0)
 
 
 def _watch_deadline(
-    job: environment.JobEnvironment, signal_delay_s: float, server: uvicorn.Server, ctx: ServerContext
+    job: environment.JobEnvironment,
+    signal_delay_s: float,
+    server: uvicorn.Server,
+    contexts: list[ServerContext],
 ) -> deadline.DeadlineWatch | None:
     """On Slurm: save and stop ``signal_delay_s`` before the job's time limit, should Slurm's own signal
     not come (``deadline``)."""
@@ -312,7 +351,7 @@ def _watch_deadline(
         end_time=lambda: deadline.job_end_time(job.job_id),
         fire=preemption.signal_deadline,
         ready=lambda: server.started,
-        finished=lambda: ctx.training_done or ctx.failed or server.should_exit,  # done, or stopping
+        finished=lambda: all(c.training_done or c.failed for c in contexts) or server.should_exit,
     )
     watch.start()
     return watch

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 
 from ajet_hpc.server import preemption
@@ -25,6 +26,7 @@ from ajet_hpc.slurm import environment, slurmcli
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
+_lost: weakref.WeakSet = weakref.WeakSet()  # engines that died: saved and requeued once, for all their models
 
 
 def engine_failure(engine: Any) -> str | None:
@@ -50,10 +52,15 @@ def engine_died(ctx: Any, why: str) -> None:
     """Save what the dead engine would lose, then requeue this job (once; later calls do nothing).
 
     Runs on the event loop's thread and blocks it, like the preemption hooks it runs: the trainer's ranks
-    are other processes and save meanwhile."""
+    are other processes and save meanwhile. A server with adapters has one engine for all its models: the
+    first of them to notice saves every model (the preemption hooks) and requeues; the others only stop."""
     if ctx.engine_lost is not None or ctx.failed:
         return
     ctx.engine_lost = why
+    engine = getattr(ctx.engine, "shared", ctx.engine)  # a model of a shared engine: that engine
+    if engine in _lost:
+        return
+    _lost.add(engine)
     log.error("the engine died (%s): checkpointing the trainer, then requeueing the job", why)
     if not preemption.checkpoint(f"the engine died ({why})", preemption.save_budget_s()):
         log.warning("a save was already taken in this job: the requeued job resumes from it")

@@ -128,8 +128,8 @@ class Supervisor:
             book.update(last_step=last_step, progress_at=now)
             self.study_dir.write_book(number, book)
         topology = load_topology(run.topology_file)
-        trained = [s.name for s in topology.servers if s.trainer is not None] or [
-            s.name for s in topology.servers
+        trained = [s.name for s in topology.models if s.trainer is not None] or [
+            s.name for s in topology.models
         ]
         end = server_end(run.root, trained)
         if end.failed:
