@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 from typing import Literal
 
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.sample_tensors import Sample
@@ -25,7 +26,9 @@ from ajet_hpc.config.topology import LoraConfig, TrainerConfig
 from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, is_adapter, write_initial_adapter
 from ajet_hpc.engine.base import EngineError, SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
+from ajet_hpc.engine.vllm_engine import BARE_BASE
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer.rank_files import DiskWeights, TrainerChannel, WorkDir, read_trainer_state
 from ajet_hpc.trainer.rank_launcher import start_ranks
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 LORA = LoraConfig(rank=8, alpha=16)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+SHARED = ("proposer", "solver")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,12 @@ def engines(loop, model: Path, tmp_path_factory: pytest.TempPathFactory):
     from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 
     v0 = str(write_initial_adapter(model, LORA, tmp_path_factory.mktemp("v0")))
-    vllm = VllmEngine(model, VllmSettings(max_model_len=256, lora_adapter=v0, max_lora_rank=8))
+    # two more adapters beside the default one: the models of a server with adapters (engine.shared)
+    others = tuple((name, v0) for name in SHARED)
+    settings = VllmSettings(
+        max_model_len=256, lora_adapter=v0, lora_adapters=others, max_loras=3, max_lora_rank=8
+    )
+    vllm = VllmEngine(model, settings)
     hf = TransformersEngine(model, TransformersSettings(max_model_len=256, lora_adapter=v0))
     loop.run_until_complete(vllm.start())
     loop.run_until_complete(hf.start())
@@ -188,3 +197,54 @@ def test_an_engine_refuses_whole_weights_while_it_serves_an_adapter(loop, engine
     for engine in engines:
         with pytest.raises(EngineError, match="serves a LoRA adapter"):
             loop.run_until_complete(engine.load_weights(model, 1))
+
+
+def perturbed(v0: Path, folder: Path, seed: int) -> Path:
+    """A copy of the version-0 adapter (all zeros) with random A and B: an adapter that changes the model."""
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(v0 / ADAPTER_WEIGHTS)
+    for key, value in tensors.items():
+        tensors[key] = torch.randn(value.shape, generator=gen) * 0.5
+    save_file(tensors, folder / ADAPTER_WEIGHTS)
+    shutil.copy(v0 / "adapter_config.json", folder / "adapter_config.json")
+    return folder
+
+
+def test_one_engine_serves_each_adapter_and_the_bare_base_as_models_of_their_own(
+    loop, engines, model: Path, tmp_path: Path
+) -> None:
+    """The models of a server with adapters: each `SharedModel` runs with its own adapter (its logprobs
+    are a peft forward of it), keeps its own policy version, and an update of one leaves the others'
+    answers as they were; the bare base is the base."""
+    vllm = engines[0]
+    v0 = Path(vllm.settings.lora_adapter)
+    proposer, solver = (SharedModel(vllm, name) for name in SHARED)
+    base = SharedModel(vllm, BARE_BASE)
+    prompt = vllm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who are you?"}], add_generation_prompt=True, return_dict=False
+    )
+    a, b = perturbed(v0, tmp_path / "a", 1), perturbed(v0, tmp_path / "b", 2)
+
+    async def scenario() -> None:
+        await proposer.load_weights(a, 1)
+        before = await generate_all(solver, prompt, GREEDY, "solver-before")
+        await solver.load_weights(b, 4)
+        assert (proposer.policy_version, solver.policy_version, base.policy_version) == (1, 4, 0)
+        for served, adapter, tag in ((proposer, a, "p"), (solver, b, "s"), (base, None, "base")):
+            out = await generate_all(served, prompt, GREEDY, f"shared-{tag}")
+            expected = peft_logprobs(model, adapter, prompt, out.token_ids)
+            assert max_diff(out.logprobs, expected) <= 1e-4, (tag, out.logprobs, expected)
+        await proposer.load_weights(b, 2)  # the proposer's update: the solver answers as it did with b
+        again = await generate_all(solver, prompt, GREEDY, "solver-again")
+        assert again.token_ids == (await generate_all(proposer, prompt, GREEDY, "proposer-b")).token_ids
+        assert max_diff(again.logprobs, peft_logprobs(model, b, prompt, again.token_ids)) <= 1e-4
+        assert before.token_ids != again.token_ids or before.logprobs != again.logprobs  # b moved it
+        with pytest.raises(EngineError, match="bare base"):
+            await base.load_weights(a, 1)
+        with pytest.raises(EngineError, match="no adapter named 'judge'"):
+            await generate_all(SharedModel(vllm, "judge"), prompt, GREEDY, "judge")
+        for served in (proposer, solver):
+            await served.load_weights(v0, 0)  # as the other tests of this module expect the engine
+
+    loop.run_until_complete(scenario())

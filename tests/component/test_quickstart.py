@@ -145,6 +145,50 @@ def test_quickstart_with_a_lora_adapter_learns(tmp_path: Path) -> None:
     )
 
 
+def test_two_adapters_of_one_base_train_on_one_server(tmp_path: Path) -> None:
+    """configs/propose_solve_lora.yaml: the proposer and the solver are two LoRA adapters served by one vLLM
+    engine in one server job, each with its own trainer; the agent addresses them by name as it does two
+    servers. Both policy versions advance, each adapter's rewards are in the metrics, the bare base is a
+    third model of the server, and each adapter exports on its own."""
+    from ajet_hpc.storage import rendezvous
+    from ajet_hpc.storage.client_store import read_results
+
+    run = tmp_path / "swarm"
+    steps = 3
+    overrides = [
+        f"servers.base.adapters.{name}.trainer.{key}={value}"
+        for name in ("proposer", "solver")
+        for key, value in (("total_steps", steps), ("tasks_per_batch", 4), ("save_every", steps))
+    ]
+    _, rows = run_locally("propose_solve_lora.yaml", run, *overrides)
+    jobs = [entry["name"] for entry in json.loads((run / "jobs.json").read_text())]
+    assert sorted(jobs) == ["clients-pairs", "server-base"]  # one server job for the three models
+    for model in ("proposer", "solver"):
+        mine = [row for row in rows if row["model"] == model]
+        assert [row["step"] for row in mine] == list(range(1, steps + 1)), model
+        assert [row["policy_version"] for row in mine] == list(range(1, steps + 1)), model
+        assert all(row["weight_sync"] == "disk" and "reward_mean" in row for row in mine)
+        assert (run / "ckpt" / model / "ds" / "trainer_state.json").is_file()
+    records = {
+        name: rendezvous.read(run / "servers" / f"{name}.json") for name in ("base", "proposer", "solver")
+    }
+    assert {r.port for r in records.values() if r is not None} and len(
+        {r.port for r in records.values()}
+    ) == 1
+    assert {name: r.url.rsplit("/", 2)[-2:] for name, r in records.items()} == {
+        name: ["m", name] for name in records
+    }
+    assert all(r.state == "finished" for r in records.values())
+    assert not (run / "ckpt" / "base").exists()  # the bare base does not train
+    results = [r for path in (run / "data" / "clients" / "pairs").glob("*.h5") for r in read_results(path)]
+    assert results and all(set(r.episode_ids) == {"proposer", "solver"} for r in results)
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-base").glob("*_log.out"))
+    assert server_log.count("vllm engine: loaded /") == 1  # one engine for both adapters
+    assert "loaded adapter proposer" in server_log and "loaded adapter solver" in server_log
+    export(run, tmp_path / "solver", "--model", "solver", "--adapter", step=steps)
+    assert (tmp_path / "solver" / "adapter_config.json").is_file()
+
+
 VLLM_LOADS = """
 import sys
 from vllm import LLM, SamplingParams
