@@ -169,12 +169,12 @@ def test_two_adapters_of_one_base_train_on_one_server(tmp_path: Path) -> None:
         assert [row["policy_version"] for row in mine] == list(range(1, steps + 1)), model
         assert all(row["weight_sync"] == "disk" and "reward_mean" in row for row in mine)
         assert (run / "ckpt" / model / "ds" / "trainer_state.json").is_file()
-    records = {
-        name: rendezvous.read(run / "servers" / f"{name}.json") for name in ("base", "proposer", "solver")
-    }
-    assert {r.port for r in records.values() if r is not None} and len(
-        {r.port for r in records.values()}
-    ) == 1
+    records = {}
+    for name in ("base", "proposer", "solver"):
+        record = rendezvous.read(run / "servers" / f"{name}.json")
+        assert record is not None, name
+        records[name] = record
+    assert len({r.port for r in records.values()}) == 1  # one port, one engine, three models
     assert {name: r.url.rsplit("/", 2)[-2:] for name, r in records.items()} == {
         name: ["m", name] for name in records
     }
