@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module, wait_until
+from support import REPO, jobs_ended, ranks_trained_steps, run_module, wait_until
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import read_results
@@ -97,6 +98,52 @@ def test_two_models_train_apart_on_shared_episodes(tmp_path: Path) -> None:
         for reader in readers.values():
             reader.close()
     assert checked == len(results)
+
+
+def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> None:
+    """configs/propose_solve_lora.yaml on Slurm: one server job serves the proposer and the solver as two
+    LoRA adapters of one base. ``scontrol requeue`` of that job mid-run: both adapters save the step they
+    are at, the requeued job reloads both into its new engine before it serves, and every step of each
+    adapter is trained and recorded exactly once."""
+    run = tmp_path / "run"
+    steps = 8
+    overrides = [
+        f"servers.base.adapters.{name}.trainer.{key}={value}"
+        for name in ("proposer", "solver")
+        for key, value in (("total_steps", steps), ("tasks_per_batch", 4), ("save_every", 3))
+    ]
+    jobs = launch("propose_solve_lora.yaml", run, "servers.base.time=30:00", *overrides)
+    assert set(jobs) == {"server-base", "clients-pairs"}
+
+    def steps_of(model: str) -> list[int]:
+        if not (run / "metrics.jsonl").is_file():
+            return []
+        return [row["step"] for row in rows(run) if row.get("model") == model and "step" in row]
+
+    def server_log() -> str:
+        return "".join(p.read_text() for p in sorted((run / "logs" / "server-base").glob("*_log.out")))
+
+    try:
+        wait_until(
+            lambda: all(len(steps_of(m)) >= 2 for m in ("proposer", "solver")), 600, "2 steps of each adapter"
+        )
+        assert all(len(steps_of(m)) < steps for m in ("proposer", "solver")), "done before the requeue"
+        subprocess.run(["scontrol", "requeue", jobs["server-base"]], check=True)
+        wait_until(lambda: jobs_ended(*jobs.values()), 900, "the run to finish after the requeue")
+    finally:
+        subprocess.run(["scancel", *jobs.values()], check=False, capture_output=True)
+    log = server_log()
+    for model in ("proposer", "solver"):
+        assert steps_of(model) == list(range(1, steps + 1)), model  # every step recorded once
+        versions = [r["policy_version"] for r in rows(run) if r.get("model") == model and "step" in r]
+        assert versions == list(range(1, steps + 1)), model
+        trained = ranks_trained_steps(run, model)
+        assert sorted(trained) == list(range(1, steps + 1)) and set(trained.values()) == {1}, trained
+        assert re.search(rf"resumed {model} at step [1-9]", log), model  # reloaded into the new engine
+        assert (run / "data" / f"{model}.h5").is_file()
+    assert log.count("vllm engine: loaded /") == 2  # one engine per start, both adapters on it
+    out = subprocess.run(["scontrol", "show", "job", jobs["server-base"]], capture_output=True, text=True)
+    assert "Restarts=1" in out.stdout
 
 
 def test_mixed_tasks_hold_the_ratio_in_every_batch(tmp_path: Path) -> None:
