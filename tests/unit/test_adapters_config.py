@@ -1,0 +1,145 @@
+"""A server with adapters (``servers[].adapters``): its models as the run sees them (names for clients,
+stores, rendezvous files, a job per server), and every combination it cannot run refused before anything
+is submitted, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_fit import QWEN_7B, write_model
+
+from ajet_hpc.config import ConfigError, load_topology
+from ajet_hpc.config.topology import lora_rank_limit, lora_slots
+from ajet_hpc.launch.cli import main
+from ajet_hpc.launch.fit import fit_issues
+from ajet_hpc.launch.plan import build_plan
+
+LORA = {"lora": {"rank": 8}}
+
+
+def swarm(**server: object) -> dict:
+    base = {
+        "name": "base",
+        "model": "builtin:tiny",
+        "engine": "vllm",
+        "gpus_per_node": 0,
+        "trainer": None,
+        "adapters": [
+            {"name": "proposer", "trainer": LORA},
+            {"name": "solver"},
+            {"name": "judge", "trainer": None},
+        ],
+    }
+    clients = [
+        {
+            "name": "pairs",
+            "agent": "ajet_hpc.agents.propose_solve:solve",
+            "tasks": "builtin:propose_solve",
+            "servers": ["proposer", "solver"],
+        }
+    ]
+    return {"run": {"name": "swarm"}, "servers": [{**base, **server}], "clients": clients}
+
+
+def test_a_server_with_adapters_is_one_job_of_several_models() -> None:
+    topology = load_topology(swarm())
+    assert [m.name for m in topology.models] == ["base", "proposer", "solver", "judge"]
+    proposer, solver, judge = (topology.server(n) for n in ("proposer", "solver", "judge"))
+    assert (
+        proposer.model == "builtin:tiny"
+        and proposer.trainer is not None
+        and proposer.trainer.lora is not None
+    )
+    assert proposer.trainer.lora.rank == 8
+    assert solver.trainer is not None and solver.trainer.lora is not None and solver.trainer.lora.rank == 16
+    assert judge.trainer is None and topology.server("base").trainer is None
+    assert {topology.host_of(n).name for n in ("base", "proposer", "solver", "judge")} == {"base"}
+    host = topology.servers[0]
+    assert [name for name, _ in host.lora_models()] == ["proposer", "solver"]
+    assert lora_rank_limit(host) == 16 and lora_slots(host) == 2  # the largest rank; one slot per adapter
+    assert [job.name for job in build_plan(topology)] == ["server-base", "clients-pairs"]
+
+
+@pytest.mark.parametrize(
+    "change,field,words",
+    [
+        ({"trainer": {}}, "servers[0].trainer", "full fine-tuning would change the base"),
+        (
+            {"adapters": [{"name": "proposer", "trainer": {"lr": 0.1}}, {"name": "solver"}]},
+            "servers[0].adapters[0].trainer.lora",
+            "trains a LoRA adapter of the shared base",
+        ),
+        ({"engine": "transformers"}, "servers[0].engine", "use engine vllm"),
+        ({"placement": "colocate", "gpus_per_node": 1}, "servers[0].placement", "use placement split"),
+        ({"vllm": {"max_loras": 1}}, "servers[0].vllm.max_loras", "below the 2 LoRA models"),
+        (
+            {"vllm": {"max_lora_rank": 8}},
+            "servers[0].adapters[1].trainer.lora.rank",
+            "rank 16 is above servers[0].vllm.max_lora_rank=8",
+        ),
+        (
+            {"adapters": [{"name": "proposer"}, {"name": "base"}, {"name": "solver"}]},
+            "servers[0].adapters[1].name",
+            "duplicate name 'base' (also servers[0])",
+        ),
+    ],
+)
+def test_what_a_server_with_adapters_cannot_run_is_refused_naming_the_field(
+    change: dict, field: str, words: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_topology(swarm(**change))
+    assert any(issue.path == field and words in issue.message for issue in raised.value.issues), str(
+        raised.value
+    )
+
+
+def test_clients_name_adapters_as_servers_and_unknown_names_list_every_model() -> None:
+    data = swarm()
+    data["clients"][0]["servers"] = ["proposer", "critic"]
+    with pytest.raises(
+        ConfigError,
+        match=r"clients\[0\]\.servers\[1\]: unknown server 'critic'; servers are: base, "
+        r"proposer, solver, judge",
+    ):
+        load_topology(data)
+
+
+def test_a_target_module_an_adapter_names_but_the_model_lacks_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = swarm(
+        adapters=[{"name": "proposer"}, {"name": "solver", "trainer": {"lora": {"target_modules": ["wq"]}}}]
+    )
+    data["run"]["dir"] = str(tmp_path / "run")
+    data["cluster"] = {"backend": "local"}
+    config = tmp_path / "topology.json"
+    config.write_text(json.dumps(data))
+    assert main([str(config), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "servers[0].adapters[1].trainer.lora.target_modules" in err and "'wq'" in err
+    assert "servers[0].adapters[0]" not in err  # the other adapter's modules exist
+
+
+def test_the_fit_check_adds_up_the_trainers_of_every_adapter(tmp_path: Path) -> None:
+    """Each trained adapter has its own ranks on the trainer GPUs, each with the frozen bf16 base: one
+    rank-16 adapter of Qwen2.5-7B fits on an 80 GiB GPU beside its base (~15 GiB), six of them do not."""
+    model = write_model(tmp_path / "qwen7b", QWEN_7B)
+
+    def server(adapters: int) -> dict:
+        return {
+            "name": "base",
+            "model": str(model),
+            "gpus_per_node": 2,
+            "trainer": None,
+            "adapters": [{"name": f"a{i}"} for i in range(adapters)],
+        }
+
+    def issues(adapters: int) -> list:
+        return fit_issues(load_topology({"run": {"name": "fit"}, "servers": [server(adapters)]}))
+
+    assert issues(1) == []
+    (issue,) = issues(6)
+    assert issue.path == "servers[0].trainer.zero_stage" and "6 trained models" in issue.message
