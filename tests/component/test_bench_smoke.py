@@ -63,8 +63,8 @@ SMOKE = [
     ),
     pytest.param(
         "lora.py",
-        ["--steps", "1", "--shape", "smoke"],
-        ["sync_bytes_ratio", "sync_speedup", "step_ratio"],
+        ["--steps", "1", "--shape", "smoke", "--adapters", "2"],
+        ["sync_bytes_ratio", "sync_speedup", "step_ratio", "swarm_mem_ratio"],
         id="lora",
         marks=SLOW,
     ),

