@@ -478,7 +478,14 @@ class AdapterConfig(BaseModel):
     trainer: TrainerConfig | None = Field(
         default=TrainerConfig(lora=LoraConfig()),
         description="The adapter's trainer, with trainer.lora (default: a rank-16 adapter); null serves the "
-        "bare base model under this name without training (a judge or an opponent that does not learn).",
+        "model without training (a judge or an opponent that does not learn): the bare base, or `adapter`.",
+    )
+    adapter: str | None = Field(
+        default=None,
+        min_length=1,
+        description="With trainer: null, a peft adapter folder of the base (adapter_config.json and "
+        "adapter_model.safetensors, e.g. from `ajet-hpc export --adapter`) served frozen as this model; a "
+        "relative path is taken from where the server runs, like `model`.",
     )
     store: StoreConfig = Field(
         default=StoreConfig(), description="Group commit of this model's store (RUN/data/<name>.h5)."
@@ -562,6 +569,10 @@ class ServerConfig(JobResources):
             for m in self.models()
             if m.trainer is not None and m.trainer.lora is not None
         ]
+
+    def frozen_adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of every adapter of this server served frozen from a folder (``adapter``)."""
+        return [(a.name, a.adapter) for a in self.adapters if a.adapter is not None and a.trainer is None]
 
 
 class ClientGroupConfig(JobResources):
@@ -724,10 +735,11 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
     return issues
 
 
-def lora_rank_limit(server: ServerConfig) -> int | None:
+def lora_rank_limit(server: ServerConfig, frozen_ranks: Sequence[int] = ()) -> int | None:
     """The ``max_lora_rank`` the server's vLLM engine is built with: the configured one, else the smallest
-    of vLLM's ranks that holds the largest of its adapters' ranks; None when no model of it trains LoRA."""
-    ranks = [lora.rank for _, lora in server.lora_models()]
+    of vLLM's ranks that holds the largest of its adapters' ranks (those it trains, and ``frozen_ranks``,
+    read from the folders of its frozen adapters); None when no model of it is an adapter."""
+    ranks = [lora.rank for _, lora in server.lora_models()] + list(frozen_ranks)
     if not ranks:
         return None
     if server.vllm.max_lora_rank is not None:
@@ -737,8 +749,8 @@ def lora_rank_limit(server: ServerConfig) -> int | None:
 
 def lora_slots(server: ServerConfig) -> int:
     """The ``max_loras`` the server's vLLM engine is built with: the configured one, else one slot per
-    LoRA model of the server."""
-    return server.vllm.max_loras or max(1, len(server.lora_models()))
+    LoRA model of the server (trained, or frozen from a folder)."""
+    return server.vllm.max_loras or max(1, len(server.lora_models()) + len(server.frozen_adapters()))
 
 
 def _lora_issues(topology: Topology) -> list[ConfigIssue]:
@@ -774,6 +786,14 @@ def _adapter_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
             )
         )
     for j, adapter in enumerate(server.adapters):
+        if adapter.trainer is not None and adapter.adapter is not None:
+            issues.append(
+                ConfigIssue(
+                    f"servers[{i}].adapters[{j}].adapter",
+                    f"adapter {adapter.name!r} trains from version 0 (B = 0, the base); a given folder is "
+                    "served frozen: set trainer: null to serve it, or drop `adapter` to train",
+                )
+            )
         if adapter.trainer is not None and adapter.trainer.lora is None:
             issues.append(
                 ConfigIssue(
@@ -797,7 +817,7 @@ def _adapter_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
                 "(colocate, where the engine sleeps for one trainer's step, is not supported with several)",
             )
         )
-    count = len(server.lora_models())
+    count = len(server.lora_models()) + len(server.frozen_adapters())
     if server.vllm.max_loras is not None and server.vllm.max_loras < count:
         issues.append(
             ConfigIssue(

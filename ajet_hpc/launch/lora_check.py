@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from ajet_hpc.config import ConfigIssue, ServerConfig, Topology
-from ajet_hpc.engine.adapter import linear_module_names
+from ajet_hpc.config.topology import lora_rank_limit
+from ajet_hpc.engine.adapter import ADAPTER_CONFIG, linear_module_names
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import resolve_kind
 
@@ -26,7 +27,7 @@ def lora_issues(topology: Topology) -> list[ConfigIssue]:
     """What keeps each LoRA server's model or engine from taking its adapter, naming the field."""
     issues: list[ConfigIssue] = []
     for index, server in enumerate(topology.servers):
-        if not server.lora_models():
+        if not server.lora_models() and not server.frozen_adapters():
             continue
         with tempfile.TemporaryDirectory(prefix="ajet-lora-check-") as scratch:
             model_dir = _model_dir(server, Path(scratch))
@@ -36,10 +37,55 @@ def lora_issues(topology: Topology) -> list[ConfigIssue]:
                 if model.trainer is not None and model.trainer.lora is not None:
                     where = f"servers[{index}]" if j == 0 else f"servers[{index}].adapters[{j - 1}]"
                     issues += _server_issues(where, model, model_dir)
+            issues += _frozen_issues(index, server, model_dir)
             if server.engine != "transformers" and resolve_kind(server.engine) == "vllm":
                 refusal = _vllm_refusal(model_dir)
                 if refusal is not None:
                     issues.append(ConfigIssue(f"servers[{index}].engine", refusal))
+    return issues
+
+
+def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[ConfigIssue]:
+    """A frozen adapter's folder: there, a peft adapter, of layers the model has, of a rank the engine
+    serves."""
+    issues = []
+    ranks = []
+    have: set[str] | None = None
+    for j, adapter in enumerate(server.adapters):
+        if adapter.adapter is None or adapter.trainer is not None:
+            continue
+        where = f"servers[{index}].adapters[{j}].adapter"
+        folder = Path(adapter.adapter).expanduser()
+        try:
+            config = json.loads((folder / ADAPTER_CONFIG).read_text())
+            rank = int(config["r"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            what = "no such folder" if not folder.is_dir() else f"not a peft adapter folder ({error})"
+            issues.append(
+                ConfigIssue(where, f"{folder}: {what}; give a folder with {ADAPTER_CONFIG} and its weights")
+            )
+            continue
+        ranks.append(rank)
+        targets = config.get("target_modules")
+        if isinstance(targets, list):
+            have = linear_module_names(model_dir) if have is None else have
+            missing = [name for name in targets if name not in have]
+            if missing:
+                issues.append(
+                    ConfigIssue(
+                        where,
+                        f"{folder} adapts {', '.join(map(repr, missing))}, which {server.model} has no "
+                        "linear layer named: an adapter of another base model?",
+                    )
+                )
+        limit = lora_rank_limit(server, ranks)
+        if limit is not None and rank > limit:
+            issues.append(
+                ConfigIssue(
+                    where,
+                    f"{folder} has rank {rank}, above servers[{index}].vllm.max_lora_rank={limit}: raise it",
+                )
+            )
     return issues
 
 

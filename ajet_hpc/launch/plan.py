@@ -118,7 +118,9 @@ def build_plan(
     plan: list[Planned] = []
     if topology.cluster.hetjob if hetjob is None else hetjob:
         for server in servers:
-            riders = [clients.pop(g.name) for g in topology.clients if g.servers == [server.target]]
+            # a group that uses only this server's models (itself, or adapters it serves) rides along
+            served = {model.name for model in topology.host_of(server.target).models()}
+            riders = [clients.pop(g.name) for g in topology.clients if set(g.servers) <= served]
             if riders:
                 components = (server, *(_as_component(rider) for rider in riders))
                 plan.append(HetJobSpec(components))

@@ -28,7 +28,7 @@ from ajet_hpc.config.topology import (
     repeats_feeding,
     server_placement,
 )
-from ajet_hpc.engine.adapter import write_initial_adapter
+from ajet_hpc.engine.adapter import adapter_rank, write_initial_adapter
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine, resolve_kind
@@ -90,11 +90,16 @@ def assemble_shared(
         raise SystemExit(f"server {host.name} has adapters: it needs the vllm engine, which is not installed")
     model_path = resolve_model(host.model, run.models_dir)
     settings = engine_settings(host, placement, kind, decide(None, placement, kind))
-    adapters = tuple(
+    trained = tuple(
         (name, str(write_initial_adapter(model_path, lora, _node_local(f"ajet-{name}-lora-v0-"))))
         for name, lora in host.lora_models()
     )
-    settings.update(lora_adapters=adapters, max_loras=lora_slots(host), max_lora_rank=lora_rank_limit(host))
+    frozen = tuple(
+        (name, str(Path(folder).expanduser().resolve())) for name, folder in host.frozen_adapters()
+    )
+    adapters = trained + frozen
+    limit = lora_rank_limit(host, [adapter_rank(Path(folder)) for _, folder in frozen])
+    settings.update(lora_adapters=adapters, max_loras=lora_slots(host), max_lora_rank=limit)
     engine = create_engine(kind, model_path, **settings)
     assert isinstance(engine, VllmEngine)
     lora_names = {name for name, _ in adapters}
@@ -103,6 +108,8 @@ def assemble_shared(
     for model in host.models():
         served = SharedModel(engine, model.name if model.name in lora_names else BARE_BASE)
         what = "a LoRA adapter" if model.name in lora_names else "the bare base"
+        if model.name in dict(frozen):
+            what = f"the frozen adapter {dict(frozen)[model.name]}"
         log.info(
             "model %s: %s of %s (%s)", model.name, what, host.model, "trains" if model.trainer else "serves"
         )

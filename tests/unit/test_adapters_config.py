@@ -60,6 +60,8 @@ def test_a_server_with_adapters_is_one_job_of_several_models() -> None:
     assert [name for name, _ in host.lora_models()] == ["proposer", "solver"]
     assert lora_rank_limit(host) == 16 and lora_slots(host) == 2  # the largest rank; one slot per adapter
     assert [job.name for job in build_plan(topology)] == ["server-base", "clients-pairs"]
+    (hetjob,) = build_plan(topology, hetjob=True)  # the group uses only models of this server: it rides along
+    assert [c.target for c in hetjob.components] == ["base", "pairs"]
 
 
 @pytest.mark.parametrize(
@@ -143,3 +145,48 @@ def test_the_fit_check_adds_up_the_trainers_of_every_adapter(tmp_path: Path) -> 
     assert issues(1) == []
     (issue,) = issues(6)
     assert issue.path == "servers[0].trainer.zero_stage" and "6 trained models" in issue.message
+
+
+def test_a_frozen_adapter_is_served_from_its_folder_and_checked_before_submitting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``adapter: FOLDER`` with ``trainer: null`` serves that folder frozen (it takes a LoRA slot); a
+    folder that is not there, of a rank above the engine's, or of layers the model lacks exits 2, and a
+    trained adapter cannot start from a folder."""
+    from ajet_hpc.config.topology import LoraConfig
+    from ajet_hpc.engine.adapter import write_initial_adapter
+    from ajet_hpc.engine.model_path import resolve_model
+
+    model = resolve_model("builtin:tiny", tmp_path / "models")
+    rank32 = write_initial_adapter(model, LoraConfig(rank=32), tmp_path / "rank32")
+    frozen = {"name": "opponent", "trainer": None, "adapter": str(rank32)}
+    host = load_topology(swarm(adapters=[{"name": "proposer"}, frozen])).servers[0]
+    assert host.frozen_adapters() == [("opponent", str(rank32))] and lora_slots(host) == 2
+    assert lora_rank_limit(host, [32]) == 32  # the frozen adapter's rank, read from its folder
+
+    with pytest.raises(
+        ConfigError, match=r"adapters\[0\]\.adapter: adapter 'proposer' trains from version 0"
+    ):
+        load_topology(swarm(adapters=[{"name": "proposer", "adapter": str(rank32)}]))
+
+    def launch(adapter: dict, **server: object) -> str:
+        data = swarm(adapters=[{"name": "proposer"}, {"name": "solver"}, adapter], **server)
+        data["run"]["dir"] = str(tmp_path / "run")
+        data["cluster"] = {"backend": "local"}
+        config = tmp_path / "topology.json"
+        config.write_text(json.dumps(data))
+        assert main([str(config), "--dry-run"]) == 2
+        return capsys.readouterr().err
+
+    err = launch({**frozen, "adapter": str(tmp_path / "nowhere")})
+    assert "servers[0].adapters[2].adapter" in err and "no such folder" in err
+    err = launch(frozen, vllm={"max_lora_rank": 16})
+    assert (
+        "servers[0].adapters[2].adapter" in err
+        and "has rank 32, above servers[0].vllm.max_lora_rank=16" in err
+    )
+    foreign = write_initial_adapter(model, LoraConfig(rank=8), tmp_path / "foreign")
+    config = json.loads((foreign / "adapter_config.json").read_text())
+    (foreign / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["c_attn"]}))
+    err = launch({**frozen, "adapter": str(foreign)})
+    assert "adapts 'c_attn'" in err and "another base model" in err

@@ -34,9 +34,11 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -112,6 +114,10 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[di
     return rows
 
 
+def running(proc: subprocess.Popen) -> bool:
+    return proc.poll() is None
+
+
 def started_uss() -> int:
     """The USS of every process this one started (engine, ranks), summed, in bytes."""
     total = 0
@@ -147,7 +153,7 @@ async def swarm(model: Path, work: Path, count: int) -> int:
                 sync=DISK,
             )
             procs.append(proc)
-            channels.append(TrainerChannel(work / name, alive=lambda p=proc: p.poll() is None, log_path=log))
+            channels.append(TrainerChannel(work / name, alive=partial(running, proc), log_path=log))
 
         async def one_step(name: str, channel: TrainerChannel) -> None:
             await channel.wait_ready(timeout_s=900)
