@@ -160,14 +160,14 @@ def test_a_frozen_adapter_is_served_from_its_folder_and_checked_before_submittin
     model = resolve_model("builtin:tiny", tmp_path / "models")
     rank32 = write_initial_adapter(model, LoraConfig(rank=32), tmp_path / "rank32")
     frozen = {"name": "opponent", "trainer": None, "adapter": str(rank32)}
-    host = load_topology(swarm(adapters=[{"name": "proposer"}, frozen])).servers[0]
-    assert host.frozen_adapters() == [("opponent", str(rank32))] and lora_slots(host) == 2
+    host = load_topology(swarm(adapters=[{"name": "proposer"}, {"name": "solver"}, frozen])).servers[0]
+    assert host.frozen_adapters() == [("opponent", str(rank32))] and lora_slots(host) == 3
     assert lora_rank_limit(host, [32]) == 32  # the frozen adapter's rank, read from its folder
 
     with pytest.raises(
         ConfigError, match=r"adapters\[0\]\.adapter: adapter 'proposer' trains from version 0"
     ):
-        load_topology(swarm(adapters=[{"name": "proposer", "adapter": str(rank32)}]))
+        load_topology(swarm(adapters=[{"name": "proposer", "adapter": str(rank32)}, {"name": "solver"}]))
 
     def launch(adapter: dict, **server: object) -> str:
         data = swarm(adapters=[{"name": "proposer"}, {"name": "solver"}, adapter], **server)
