@@ -14,7 +14,7 @@ from ajet_hpc.config import ConfigError, load_topology
 from ajet_hpc.config.topology import lora_rank_limit, lora_slots
 from ajet_hpc.launch.cli import main
 from ajet_hpc.launch.fit import fit_issues
-from ajet_hpc.launch.plan import build_plan
+from ajet_hpc.launch.plan import HetJobSpec, build_plan
 
 LORA = {"lora": {"rank": 8}}
 
@@ -61,7 +61,7 @@ def test_a_server_with_adapters_is_one_job_of_several_models() -> None:
     assert lora_rank_limit(host) == 16 and lora_slots(host) == 2  # the largest rank; one slot per adapter
     assert [job.name for job in build_plan(topology)] == ["server-base", "clients-pairs"]
     (hetjob,) = build_plan(topology, hetjob=True)  # the group uses only models of this server: it rides along
-    assert [c.target for c in hetjob.components] == ["base", "pairs"]
+    assert isinstance(hetjob, HetJobSpec) and [c.target for c in hetjob.components] == ["base", "pairs"]
 
 
 @pytest.mark.parametrize(
