@@ -339,9 +339,9 @@ class GroupTask:
         try:
             for name in self.group.servers:
                 begun[name] = self.connect(name).begin(task.id, self.group.name, meta, repeat)
-        except ServerError as exc:  # the servers that did begin it: not left open
-            for name, b in begun.items():
-                self._abort_quietly(name, b["episode_id"], str(exc))
+        except Exception as exc:  # refused, finished or away: the servers that did begin it are not left open
+            for name, b in begun.items():  # (a co-trained model whose training ended refuses new episodes)
+                self._abort_quietly(name, b["episode_id"], f"{type(exc).__name__}: {exc}")
             raise
         handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
         try:
@@ -423,8 +423,8 @@ class GroupTask:
     def _abort_quietly(self, server: str, episode_id: str, reason: str) -> None:
         try:
             self.connect(server).abort(episode_id, reason)
-        except (ServerAway, EpisodeRejected) as exc:
-            log.info("abort of %s not delivered: %s", episode_id, exc)
+        except Exception as exc:  # best effort: the server times an episode out otherwise
+            log.info("abort of %s not delivered: %s: %s", episode_id, type(exc).__name__, exc)
 
 
 def _test_exit_after_end(task: GroupTask) -> None:

@@ -173,6 +173,9 @@ def _stop_when_idle(contexts: list[ServerContext], server: uvicorn.Server, grace
         deadline = time.monotonic() + grace_s
         while any(ctx.episodes.open_count for ctx in contexts) and time.monotonic() < deadline:
             time.sleep(0.5)
+        left = {ctx.name: ctx.episodes.open_count for ctx in contexts if ctx.episodes.open_count}
+        if left:
+            log.warning("episodes still open after %g s, not waited for: %s", grace_s, left)
         failed = any(ctx.failed for ctx in contexts)
         log.info("%s; stopping the server", "failed" if failed else "training complete")
         server.should_exit = True

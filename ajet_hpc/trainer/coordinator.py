@@ -50,6 +50,7 @@ from ajet_hpc.trainer.rank_files import (
     WithheldWeights,
     WorkDir,
     encode_batch,
+    read_trainer_state,
 )
 from ajet_hpc.trainer.rank_launcher import start_ranks
 from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
@@ -145,7 +146,7 @@ class Coordinator:
             self._prepare_work_dir()
         sync_server = self._start_sync_server()
         try:
-            channel = await self._start_ranks()
+            channel = await self._resume_before_serving()
             await self._restore_collector()
             total = self.config.total_steps
             bar = tqdm(
@@ -256,6 +257,23 @@ class Coordinator:
             WorkDir(self.work_dir).sync, receiver.weight_transfer, abandon=receiver.abandon_weight_update
         )
         return asyncio.get_running_loop().create_task(server.serve(), name="weight-sync")
+
+    async def _resume_before_serving(self) -> TrainerChannel:
+        """The first start of the ranks. With a checkpoint to resume (a requeued job), no new episode begins
+        until the engine holds the checkpoint's weights (episodes wait at their begin): the engine would
+        otherwise serve the initial policy (for an adapter, version 0: the base) in the meantime."""
+        resuming = read_trainer_state(WorkDir(self.work_dir)) is not None
+        if resuming:
+            log.info(
+                "%s resumes from a checkpoint: new episodes wait until its weights are in the engine",
+                self.server.name,
+            )
+            self.host.admission.clear()
+        try:
+            return await self._start_ranks()
+        finally:
+            if resuming:
+                self.host.admission.set()
 
     async def _start_ranks(self) -> TrainerChannel:
         """Start the ranks, wait until they have resumed from their last checkpoint (and handed the engine

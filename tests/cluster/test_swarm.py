@@ -140,8 +140,10 @@ def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> No
         trained = ranks_trained_steps(run, model)
         assert sorted(trained) == list(range(1, steps + 1)) and set(trained.values()) == {1}, trained
         assert re.search(rf"resumed {model} at step [1-9]", log), model  # reloaded into the new engine
+        assert f"{model} resumes from a checkpoint: new episodes wait" in log  # ... before it serves
         assert (run / "data" / f"{model}.h5").is_file()
     assert log.count("vllm engine: loaded /") == 2  # one engine per start, both adapters on it
+    assert "episodes still open after" not in log  # the clients left no episode for the server to wait on
     out = subprocess.run(["scontrol", "show", "job", jobs["server-base"]], capture_output=True, text=True)
     assert "Restarts=1" in out.stdout
 

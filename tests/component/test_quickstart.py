@@ -196,6 +196,8 @@ def test_two_adapters_of_one_base_train_on_one_server(tmp_path: Path, tiny_model
     assert server_log.count("vllm engine: loaded /") == 1  # one engine for both adapters
     assert "loaded adapter proposer" in server_log and "loaded adapter solver" in server_log
     assert f"model opponent: the frozen adapter {opponent}" in server_log
+    # a pair whose second begin was refused (one model done) left no episode open for the server to wait on
+    assert "episodes still open after" not in server_log
     export(run, tmp_path / "solver", "--model", "solver", "--adapter", step=steps)
     assert (tmp_path / "solver" / "adapter_config.json").is_file()
 
