@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -314,23 +314,11 @@ class VllmEngine(EngineLifecycle):
         if adapter:
             await self._swap_adapter(self.settings.lora_name, path, version, tag)
             return
-        async with self._reload_lock:
-            started = time.monotonic()
-            llm = self._llm
-            await llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
-                await llm.reset_prefix_cache(reset_running_requests=True)
-                await llm.update_weight_version(str(version))
-                tag()  # before any token of the new weights streams out
-            finally:
-                await llm.resume_generation()
-            log.info(
-                "vllm engine: loaded weights %s as policy version %d in %.3f s",
-                path,
-                version,
-                time.monotonic() - started,
-            )
+
+        async def reload() -> None:
+            await self._llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
+
+        await self._paused_reload(reload, f"weights {path}", version, tag, tag_engine=True)
 
     async def load_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
         """Replace the served adapter ``name`` by the folder ``path`` in place, as `load_weights` does for
@@ -345,25 +333,40 @@ class VllmEngine(EngineLifecycle):
         await self._swap_adapter(name, Path(path), version, tag)
 
     async def _swap_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
+        async def reload() -> None:
+            await self._add_adapter(name, path, inplace=True)
+
+        # vLLM's weight version is one tag for the engine: it follows the default adapter only
+        tag_engine = name == self.settings.lora_name
+        await self._paused_reload(reload, f"adapter {name} from {path}", version, tag, tag_engine)
+
+    async def _paused_reload(
+        self,
+        reload: Callable[[], Awaitable[None]],
+        what: str,
+        version: int,
+        tag: Callable[[], None],
+        tag_engine: bool,
+    ) -> None:
+        """``reload`` with generation paused; then the prefix cache is reset (requests in flight recompute
+        their KV cache: for an adapter, the prefix cache keys blocks by adapter, but its requests in flight
+        hold KV of its old weights), ``tag`` runs, and generation resumes."""
         assert self._reload_lock is not None
         async with self._reload_lock:
             started = time.monotonic()
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self._add_adapter(name, path, inplace=True)
-                # the prefix cache keys blocks by adapter, but requests in flight of this adapter hold KV
-                # computed with its old weights: recompute them (other adapters' lose only their cache)
+                await reload()
                 await llm.reset_prefix_cache(reset_running_requests=True)
-                if name == self.settings.lora_name:
+                if tag_engine:
                     await llm.update_weight_version(str(version))
                 tag()  # before any token of the new weights streams out
             finally:
                 await llm.resume_generation()
             log.info(
-                "vllm engine: loaded adapter %s from %s as policy version %d in %.3f s",
-                name,
-                path,
+                "vllm engine: loaded %s as policy version %d in %.3f s",
+                what,
                 version,
                 time.monotonic() - started,
             )
