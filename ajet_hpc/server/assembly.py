@@ -61,17 +61,11 @@ def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) ->
 
     Shows the engine only its GPUs (this process's ``CUDA_VISIBLE_DEVICES``) and keeps the job step's
     environment as it was for the trainer's ranks."""
-    placement = server_placement(config)
-    for line in placement.describe():
-        log.info("placement: %s", line)
-    step_env = bind_engine_gpus(placement, os.environ)
-    kind = resolve_kind(config.engine)
-    sync = decide(config.trainer, placement, kind)
-    model_path = resolve_model(config.model, run.models_dir)
-    settings = engine_settings(config, placement, kind, sync)
-    settings.update(lora_settings(config, model_path, kind))
-    engine = create_engine(kind, model_path, **settings)
-    parts = _Parts(run, topology, job, placement, model_path, step_env)
+    parts, kind = _job_parts(run, topology, config, job)
+    sync = decide(config.trainer, parts.placement, kind)
+    settings = engine_settings(config, parts.placement, kind, sync)
+    settings.update(lora_settings(config, parts.model_path, kind))
+    engine = create_engine(kind, parts.model_path, **settings)
     return model_context(parts, config, engine, sync, job.public_url)
 
 
@@ -81,42 +75,45 @@ def assemble_shared(
     """A server with adapters (``servers[].adapters``): one vLLM engine serving every model of it (each
     LoRA model's version-0 adapter written here), and one context per model, at ``<url>/m/<name>``, each
     with its own store and trainer over a `SharedModel` of the engine."""
-    placement = server_placement(host)
-    for line in placement.describe():
-        log.info("placement: %s", line)
-    step_env = bind_engine_gpus(placement, os.environ)
-    kind = resolve_kind(host.engine)
+    parts, kind = _job_parts(run, topology, host, job)
     if kind != "vllm":
         raise SystemExit(f"server {host.name} has adapters: it needs the vllm engine, which is not installed")
-    model_path = resolve_model(host.model, run.models_dir)
-    settings = engine_settings(host, placement, kind, decide(None, placement, kind))
-    trained = tuple(
-        (name, str(write_initial_adapter(model_path, lora, _node_local(f"ajet-{name}-lora-v0-"))))
+    settings = engine_settings(host, parts.placement, kind, decide(None, parts.placement, kind))
+    trained = {
+        name: str(write_initial_adapter(parts.model_path, lora, _node_local(f"ajet-{name}-lora-v0-")))
         for name, lora in host.lora_models()
-    )
-    frozen = tuple(
-        (name, str(Path(folder).expanduser().resolve())) for name, folder in host.frozen_adapters()
-    )
-    adapters = trained + frozen
-    limit = lora_rank_limit(host, [adapter_rank(Path(folder)) for _, folder in frozen])
-    settings.update(lora_adapters=adapters, max_loras=lora_slots(host), max_lora_rank=limit)
-    engine = create_engine(kind, model_path, **settings)
+    }
+    frozen = {name: str(Path(folder).expanduser().resolve()) for name, folder in host.frozen_adapters()}
+    limit = lora_rank_limit(host, [adapter_rank(Path(folder)) for folder in frozen.values()])
+    adapters = {**trained, **frozen}
+    settings.update(lora_adapters=tuple(adapters.items()), max_loras=lora_slots(host), max_lora_rank=limit)
+    engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
-    lora_names = {name for name, _ in adapters}
-    parts = _Parts(run, topology, job, placement, model_path, step_env)
     contexts = []
     for model in host.models():
-        served = SharedModel(engine, model.name if model.name in lora_names else BARE_BASE)
-        what = "a LoRA adapter" if model.name in lora_names else "the bare base"
-        if model.name in dict(frozen):
-            what = f"the frozen adapter {dict(frozen)[model.name]}"
+        what = f"the frozen adapter {frozen[model.name]}" if model.name in frozen else "the bare base"
+        what = "a LoRA adapter" if model.name in trained else what
         log.info(
             "model %s: %s of %s (%s)", model.name, what, host.model, "trains" if model.trainer else "serves"
         )
+        served = SharedModel(engine, model.name if model.name in adapters else BARE_BASE)
         own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
         sync = decide(model.trainer, own.placement, kind)
         contexts.append(model_context(own, model, served, sync, f"{job.public_url}/m/{model.name}"))
     return engine, contexts
+
+
+def _job_parts(
+    run: RunDir, topology: Topology, server: ServerConfig, job: Job
+) -> tuple[_Parts, Literal["vllm", "transformers"]]:
+    """What every model of the server job shares, its placement logged and the engine shown only its
+    GPUs; and the engine's kind."""
+    placement = server_placement(server)
+    for line in placement.describe():
+        log.info("placement: %s", line)
+    step_env = bind_engine_gpus(placement, os.environ)
+    model_path = resolve_model(server.model, run.models_dir)
+    return _Parts(run, topology, job, placement, model_path, step_env), resolve_kind(server.engine)
 
 
 @dataclass(frozen=True)
