@@ -21,7 +21,10 @@ logprobs must agree with a fresh peft forward of that folder (``lora_maxdiff``, 
 
 First, a tree-packed micro-batch (``merge.mode: tree``) through FlexAttention's block mask against SDPA's
 dense mask, forward and backward (``flex_tree_check``: the training path of ``merge.tree_attention: flex``,
-which the CPU tests cannot run); ``flex_tree_diff`` in the RESULT line, at most 1e-3 to pass.
+which the CPU tests cannot run); ``flex_tree_diff`` in the RESULT line, at most 1e-3 to pass. And every
+algorithm and off-policy correction of ``trainer.algorithm`` / ``trainer.off_policy`` in bf16 against
+float32 (``algorithm_bf16_check``; ``algo_bf16_diff``, at most ``ALGORITHM_BF16_BOUND``;
+``algo_bf16_seqw_diff`` for sequence-level importance weights, reported only).
 """
 
 from __future__ import annotations
@@ -307,6 +310,99 @@ def flex_tree_check(device: str) -> float:
     return diff
 
 
+ALGORITHM_BF16_BOUND = 0.05  # bf16 keeps 8 bits of mantissa: ~0.4% per value, a few % over a backward
+ALGORITHM_CHECKS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dr_grpo": {"algorithm": "dr_grpo"},
+    "dapo": {"algorithm": "dapo"},
+    "gspo": {"algorithm": "gspo", "clip_eps": 0.2, "clip_eps_high": 0.28},  # wide: no clip flips
+    "rloo": {"algorithm": "rloo"},
+    "reinforce_pp": {"algorithm": "reinforce_pp"},
+    "tis/token": {"recompute_logprobs": True, "off_policy": {"mode": "tis", "cap": 1.02}},
+    "mis/sequence": {
+        "algorithm": "gspo",
+        "recompute_logprobs": True,
+        "off_policy": {"mode": "mis", "level": "sequence", "low": 0.5, "high": 2.0},
+    },
+}
+
+
+def algorithm_bf16_check(device: str) -> tuple[float, float]:
+    """Every algorithm's loss and off-policy correction in bf16 against float32 (``ALGORITHM_CHECKS``):
+    the same small Qwen2 in both dtypes, forked calls with advantages of both signs, engine log-
+    probabilities a little off the model's, the trainer's own objective (``ajet_hpc.algo.objective``).
+    Returns the largest relative difference of a gradient (its norm) or a loss, over the objectives with
+    token-level weights, and the same for sequence-level weights: these multiply the bf16 forward's error
+    over every token of an answer (a product of ratios), so they differ from float32 by far more (about
+    0.2 for 24-token answers on the CPU); that is the engine/trainer mismatch itself, reported, not bounded.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ajet_hpc.algo.objective import Objective
+    from ajet_hpc.algo.output_layer import model_logprobs
+    from ajet_hpc.algo.sample_tensors import collate
+    from ajet_hpc.config.topology import ServingConfig
+    from ajet_hpc.trainer.algorithm_settings import resolve
+    from ajet_hpc.trainer.step import model_inputs
+
+    shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, torch_dtype="float32")
+    config = Qwen2Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    models = {torch.float32: Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")}
+    models[torch.bfloat16] = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+    models[torch.bfloat16].load_state_dict(models[torch.float32].state_dict())
+    models[torch.bfloat16].to(torch.bfloat16)
+    samples = tree_samples(1, answer=24)
+    for k, sample in enumerate(samples):
+        sign = 1.0 if k % 2 else -1.0
+        sample.advantages = [a * sign * (1 + k / 4) for a in sample.advantages]
+    batch = {key: value.to(device) for key, value in collate(samples, 0).items()}
+
+    def logprobs_of(dtype: torch.dtype) -> torch.Tensor:
+        model = models[dtype]
+        inputs = model_inputs(batch, "sdpa", dtype)
+        lp, _ = model_logprobs(model, inputs, batch["loss_mask"], None, chunk_tokens=2**62)
+        return lp
+
+    for model in models.values():
+        model.to(device)
+    with torch.no_grad():  # the engine: float32 logprobs, a little off
+        noise = (
+            torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(1)) - 0.5
+        ) * 0.02
+        engine = logprobs_of(torch.float32) + noise.to(device)
+        batch["old_logprobs"] = torch.where(batch["loss_mask"] != 0, engine, 0.0)
+    worst = {"token": (0.0, ""), "sequence": (0.0, "")}
+    for name, settings in ALGORITHM_CHECKS.items():
+        trainer = resolve(TrainerConfig.model_validate(settings), ServingConfig(max_tokens=64))
+        objective = Objective.of(trainer)
+        divisor = float(objective.divisor(samples))
+        found = {}
+        for dtype, model in models.items():
+            model.zero_grad()
+            part = objective.micro_loss(logprobs_of(dtype), batch, divisor)
+            part.loss.backward()
+            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+            found[dtype] = (float(part.loss.detach()), grads)
+        (loss32, grads32), (loss16, grads16) = found[torch.float32], found[torch.bfloat16]
+        if not (torch.isfinite(grads16).all() and abs(loss16) < float("inf")):
+            return float("inf"), float("inf")
+        diff = max(
+            float((grads16 - grads32).norm() / grads32.norm().clamp_min(1e-12)),
+            abs(loss16 - loss32) / max(abs(loss32), 1e-3),
+        )
+        level = trainer.off_policy.level if trainer.off_policy.mode != "none" else "token"
+        print(f"  {name}: {diff:.2e} (tokens truncated or masked: {int(part.hit.sum())})")
+        worst[level] = max(worst[level], (diff, name))
+    (token, token_name), (sequence, sequence_name) = worst["token"], worst["sequence"]
+    print(
+        f"algorithms in bf16 against float32: largest relative difference {token:.2e} ({token_name}); "
+        f"with sequence-level weights {sequence:.2e} ({sequence_name})"
+    )
+    return token, sequence
+
+
 def score_adapter(
     model: Path, adapter: Path, prompt: list[int], response: list[int], device: str
 ) -> list[float]:
@@ -411,9 +507,11 @@ def main() -> int:
     print("device:", "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch", torch.__version__)
     random.seed(0)
     flex_diff = flex_tree_check("cpu" if args.cpu else "cuda")
+    algo_diff, algo_seq_diff = algorithm_bf16_check("cpu" if args.cpu else "cuda")
     result = asyncio.run(check(args)) if not args.flex_only else {}
     ok = (
         flex_diff <= 1e-3
+        and algo_diff <= ALGORITHM_BF16_BOUND
         and result.get("logprob_maxdiff", 0.0) <= args.tolerance
         and result.get("lora_maxdiff", 0.0) <= args.tolerance
     )
@@ -424,7 +522,10 @@ def main() -> int:
         if result
         else ""
     )
-    print(f"RESULT gpu_ok={int(ok)} {engine}flex_tree_diff={flex_diff:.2e}")
+    print(
+        f"RESULT gpu_ok={int(ok)} {engine}flex_tree_diff={flex_diff:.2e} algo_bf16_diff={algo_diff:.2e} "
+        f"algo_bf16_seqw_diff={algo_seq_diff:.2e}"
+    )
     return 0 if ok else 1
 
 

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from ajet_hpc.algo.grpo import normalise_in_groups
+from ajet_hpc.algo.rloo import others_mean
 from ajet_hpc.algo.sample_tensors import is_binary, mask_runs
+from ajet_hpc.config.algorithms import Baseline
 
 
 def turn_returns(turn_rewards: Sequence[float], final_reward: float, gamma: float) -> list[float]:
@@ -33,13 +35,17 @@ def turn_returns(turn_rewards: Sequence[float], final_reward: float, gamma: floa
     return returns
 
 
-def group_turn_advantages(returns: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
-    """Standardise the turn returns of one task group: ``(G - mean) / (std + eps)`` over all its turns.
+def group_turn_advantages(
+    returns: Sequence[Sequence[float]], eps: float = 1e-6, baseline: Baseline = "group_std"
+) -> list[list[float]]:
+    """The turn advantages of one task group, by the algorithm's ``baseline`` (``config.algorithms``).
 
-    ``returns[e][t]`` is the return of turn t of episode e. Mean and population std weight each turn by
-    ``1 / (turns of its episode)``, so every episode counts once however many turns it took. A group whose
-    returns are all equal (one episode with one turn included) gets zeros; a group of one episode gets zeros
-    too, as a group of one does in :func:`ajet_hpc.algo.grpo.group_advantages`.
+    ``returns[e][t]`` is the return of turn t of episode e. ``group_std``: ``(G - mean) / (std + eps)``,
+    mean and population std weighting each turn by ``1 / (turns of its episode)``, so every episode counts
+    once however many turns it took. ``group_mean``: ``G - mean`` (the same mean). ``leave_one_out``:
+    ``G - mean of the other episodes' mean returns``. A group whose returns are all equal (one episode with
+    one turn included) gets zeros; a group of one episode gets zeros too, as a group of one does in
+    :func:`ajet_hpc.algo.grpo.group_advantages`.
     """
     for e, turns in enumerate(returns):
         if not turns:
@@ -48,12 +54,34 @@ def group_turn_advantages(returns: Sequence[Sequence[float]], eps: float = 1e-6)
         return [[0.0] * len(turns) for turns in returns]
     values = torch.tensor([g for turns in returns for g in turns], dtype=torch.float64)
     weights = torch.tensor([1.0 / len(turns) for turns in returns for _ in turns], dtype=torch.float64)
-    flat = normalise_in_groups(values, torch.zeros(len(values), dtype=torch.long), weights=weights, eps=eps)
+    if baseline == "leave_one_out":
+        flat = _leave_one_out(returns, values)
+    elif baseline in ("group_std", "group_mean"):
+        flat = normalise_in_groups(
+            values,
+            torch.zeros(len(values), dtype=torch.long),
+            weights=weights,
+            eps=eps,
+            scale=baseline == "group_std",
+        )
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}: group_std, group_mean or leave_one_out")
     out, start = [], 0
     for turns in returns:
         out.append(flat[start : start + len(turns)].tolist())
         start += len(turns)
     return out
+
+
+def _leave_one_out(returns: Sequence[Sequence[float]], values: torch.Tensor) -> torch.Tensor:
+    """``G_{e,t} - mean_{e' != e} m_{e'}``, ``m_e`` being episode e's mean return (float32; 0 if all
+    equal)."""
+    if bool((values == values[0]).all()):
+        return torch.zeros(len(values), dtype=torch.float32)
+    means = torch.tensor([sum(turns) / len(turns) for turns in returns], dtype=torch.float64)
+    baseline = others_mean(means, torch.zeros(len(returns), dtype=torch.long))
+    per_turn = torch.repeat_interleave(baseline, torch.tensor([len(turns) for turns in returns]))
+    return (values - per_turn).to(torch.float32)
 
 
 def episode_token_advantages(

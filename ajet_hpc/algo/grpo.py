@@ -1,6 +1,7 @@
 """GRPO maths as pure tensor functions: group advantages, token log-probabilities, the clipped loss.
 
-The formulas and the choices behind them are written out in ``docs/grpo.md``. Nothing here knows about
+The clipped surrogate here serves every algorithm (docs/algorithms.md); the formulas and the choices
+behind them are written out in ``docs/grpo.md``. Nothing here knows about
 DeepSpeed, ranks or files; the trainer orchestrates.
 """
 
@@ -11,6 +12,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from ajet_hpc.algo.gspo import sequence_log_ratio
+
 
 def group_index(group_ids: Sequence[Hashable]) -> Tensor:
     """Dense group numbers (long, ``[N]``) in order of first appearance: ``["b", "a", "b"] -> [0, 1, 0]``."""
@@ -19,9 +22,10 @@ def group_index(group_ids: Sequence[Hashable]) -> Tensor:
 
 
 def normalise_in_groups(
-    values: Tensor, index: Tensor, *, weights: Tensor | None = None, eps: float = 1e-6
+    values: Tensor, index: Tensor, *, weights: Tensor | None = None, eps: float = 1e-6, scale: bool = True
 ) -> Tensor:
-    """``(v - mean_g) / (std_g + eps)`` with the (weighted) population mean and std of each value's group.
+    """``(v - mean_g) / (std_g + eps)`` with the (weighted) population mean and std of each value's group;
+    with ``scale=False`` only ``v - mean_g`` (Dr. GRPO).
 
     ``index`` holds each value's group number (``0..G-1``); ``weights`` (positive, default 1) weight each
     value in its group's mean and variance: ``mean = Σ w v / Σ w``, ``var = Σ w (v - mean)² / Σ w``. A group
@@ -48,7 +52,7 @@ def normalise_in_groups(
     high = v.new_full((groups,), -torch.inf).scatter_reduce(0, index, v, "amax")
     low = v.new_full((groups,), torch.inf).scatter_reduce(0, index, v, "amin")
     equal = (high == low)[index]
-    return torch.where(equal, 0.0, dev / (std[index] + eps)).to(torch.float32)
+    return torch.where(equal, 0.0, dev / (std[index] + eps) if scale else dev).to(torch.float32)
 
 
 def group_advantages(rewards: Tensor, group_ids: Sequence[Hashable], eps: float = 1e-6) -> Tensor:
@@ -139,17 +143,26 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     weights: Tensor | None = None,
     normalizer: float | None = None,
+    ratio_level: str = "token",
+    sequence_ids: Tensor | None = None,
+    token_scale: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Token-level clipped GRPO surrogate, summed over the masked tokens and divided by ``normalizer``.
+    """The clipped surrogate of every algorithm, summed over the masked tokens and divided by ``normalizer``.
 
     Per masked token, with ``ratio = exp(logprobs - old_logprobs)``::
 
         loss_t = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A) + kl_coef * k3(lp, ref)
 
-    ``loss = Σ_t weight_t * loss_t / normalizer``. ``normalizer`` defaults to this call's masked-token count
-    (a token mean); the trainer passes the masked-token count of the whole step (all micro-batches, all
-    ranks), so that the micro-batch losses add up to the loss of the step as one big batch. Weights do not
-    enter the normalizer.
+    ``loss = Σ_t weight_t * scale_t * is_t * loss_t / normalizer``. ``normalizer`` defaults to this call's
+    masked-token count (a token mean); the trainer passes the step's divisor (its masked tokens, or its
+    sequences: ``ajet_hpc.algo.loss_agg``) over all micro-batches and ranks, so that the micro-batch
+    losses add up to the loss of the step as one big batch. Weights do not enter the normalizer.
+
+    ``ratio_level="sequence"`` (GSPO) takes each token's ratio as its sequence's, ``exp`` of the sequence
+    mean of the log-ratio (``sequence_ids`` from ``ajet_hpc.algo.sequences``). ``token_scale`` is the
+    aggregation's per-token factor (``ajet_hpc.algo.loss_agg.token_scale``), ``is_weights`` the
+    off-policy correction's (``ajet_hpc.algo.off_policy``); both default to 1 and carry no gradient.
 
     Tensors are ``[B, T]``; ``weights`` is ``[B, T]`` or per sample ``[B]`` (default 1). Positions outside
     ``loss_mask`` contribute nothing, not even NaN from extreme log-probabilities there. The KL term needs
@@ -175,6 +188,12 @@ def policy_loss(
     mask = loss_mask != 0
     tokens = int(mask.sum())
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)
+    if ratio_level == "sequence":
+        if sequence_ids is None or sequence_ids.shape != shape:
+            raise ValueError("ratio_level 'sequence' needs sequence_ids of the logprobs' shape")
+        log_ratio = sequence_log_ratio(log_ratio, torch.where(mask, sequence_ids, -1))
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio_level {ratio_level!r}: token or sequence")
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)
@@ -188,6 +207,9 @@ def policy_loss(
     if weights is not None:
         weights = weights.float()
         w = w * (weights.unsqueeze(-1) if weights.dim() == 1 else weights)
+    for factor in (token_scale, is_weights):
+        if factor is not None:
+            w = w * factor.detach().float()
     denominator = normalizer if normalizer is not None else max(tokens, 1)
     loss = torch.where(mask, per_token * w, 0.0).sum() / denominator
 

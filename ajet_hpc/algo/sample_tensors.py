@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ajet_hpc.algo.sequences import batch_sequence_ids
+
 _PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "advantages")
 _OPTIONAL_PER_TOKEN_FIELDS = ("weights", "parents")
 ARRAY_TYPES = {
@@ -255,7 +257,8 @@ def collate(samples: list[Sample], pad_id: int, *, dense_tree_mask: bool = True)
 
     Keys: ``input_ids`` (long, ``pad_id`` on padding), ``attention_mask`` (long, 1 on real tokens),
     ``loss_mask`` (long), ``old_logprobs``, ``advantages`` and ``weights`` (float32, each token's loss
-    weight). Every padding position is 0 except ``input_ids``.
+    weight), ``sequence_ids`` (long: each trained token's sequence, numbered across the rows, -1 elsewhere;
+    ``ajet_hpc.algo.sequences``). Every padding position is 0 except ``input_ids`` and ``sequence_ids``.
 
     When a sample is a tree (``parents`` set), keys change or appear: ``attention_mask`` becomes a
     boolean ``[B, 1, T, T]`` mask (query i sees key j iff j is i or an ancestor of i; a padding position
@@ -285,6 +288,7 @@ def collate(samples: list[Sample], pad_id: int, *, dense_tree_mask: bool = True)
         out["old_logprobs"][row, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
         out["advantages"][row, :n] = torch.tensor(s.advantages, dtype=torch.float32)
         out["weights"][row, :n] = torch.tensor(s.weights) if s.weights is not None else s.weight
+    out["sequence_ids"] = batch_sequence_ids([s.loss_mask for s in samples], [s.parents for s in samples], t)
     if any(s.parents is not None for s in samples):
         out.update(_tree_inputs(samples, t))
         if dense_tree_mask:

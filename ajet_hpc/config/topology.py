@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ajet_hpc.config.algorithms import algorithm
 from ajet_hpc.config.errors import ConfigError, ConfigIssue
 from ajet_hpc.config.fields import (
     EntryPoint,
@@ -165,6 +166,57 @@ class MergeConfig(BaseModel):
     )
 
 
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"]  # config.algorithms
+"""The policy-optimisation algorithms of ``trainer.algorithm`` (``ajet_hpc/algo/``, docs/algorithms.md)."""
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+
+
+class OffPolicyConfig(BaseModel):
+    """Correction of the gap between the engine's sampling policy and the trained one (docs/algorithms.md).
+
+    The weight of a trained token is ``w = exp(logp_trainer - logp_engine)`` (``level: token``), or for all
+    tokens of a sequence the product over its tokens (``level: sequence``); both are constants in the loss.
+    """
+
+    model_config = _MODEL_CONFIG
+
+    mode: Literal["none", "tis", "mis"] = Field(
+        default="none",
+        description="'none': no correction; 'tis': truncated importance sampling, each loss term times "
+        "min(w, cap); 'mis': masked importance sampling, times w inside [low, high] and 0 outside.",
+    )
+    level: Literal["token", "sequence"] = Field(
+        default="token", description="Weigh each token by its own ratio, or each sequence by its product."
+    )
+    cap: float = Field(default=2.0, gt=0, allow_inf_nan=False, description="tis: the most a weight may be.")
+    low: float = Field(default=0.5, ge=0, allow_inf_nan=False, description="mis: the least weight kept.")
+    high: float = Field(default=2.0, gt=0, allow_inf_nan=False, description="mis: the largest weight kept.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OffPolicyConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low={self.low} must be below high={self.high}")
+        return self
+
+
+class OverlongConfig(BaseModel):
+    """DAPO's overlong reward shaping: a penalty for answers that near or pass the length budget.
+
+    With ``L = max_tokens`` and ``B = buffer_tokens``, an answer of ``n`` tokens gets
+    ``0`` for ``n <= L - B``, ``penalty * (L - B - n) / B`` up to ``L``, and ``-penalty`` past it. An
+    episode is shaped by its longest answer."""
+
+    model_config = _MODEL_CONFIG
+
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="The length budget L; None: the server's serving.max_tokens."
+    )
+    buffer_tokens: int = Field(default=256, ge=1, description="The soft zone B before L.")
+    penalty: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="The penalty at and past L (added as -penalty)."
+    )
+
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's ``max_lora_rank`` takes (its LoRA kernels are built for these)."""
 
@@ -203,7 +255,30 @@ class TrainerConfig(BaseModel):
 
     model_config = _MODEL_CONFIG
 
-    algorithm: Literal["grpo"] = Field(default="grpo", description="Policy-optimisation algorithm.")
+    algorithm: AlgorithmName = Field(
+        default="grpo", description="Policy-optimisation algorithm (docs/algorithms.md)."
+    )
+    loss_agg: LossAgg | None = Field(
+        default=None,
+        description="How token loss terms add up: 'token_mean' (over the batch's trained tokens), "
+        "'seq_mean_token_sum' (each sequence's token sum / token_sum_norm, mean over sequences), "
+        "'seq_mean_token_mean' (each sequence's token mean, mean over sequences). None: the algorithm's "
+        "(docs/algorithms.md).",
+    )
+    token_sum_norm: int | None = Field(
+        default=None,
+        ge=1,
+        description="With loss_agg seq_mean_token_sum: the constant each sequence's token sum is divided by "
+        "(Dr. GRPO's generation budget). None: the server's serving.max_tokens.",
+    )
+    off_policy: OffPolicyConfig = Field(
+        default_factory=OffPolicyConfig,
+        description="Importance-sampling correction of stale or mismatched engine samples; needs "
+        "recompute_logprobs (docs/algorithms.md).",
+    )
+    overlong: OverlongConfig | None = Field(
+        default=None, description="DAPO's overlong reward shaping; absent: off (docs/algorithms.md)."
+    )
     zero_stage: Annotated[Literal[1, 2, 3], NotBool] = Field(default=2, description="DeepSpeed ZeRO stage.")
     ranks: int = Field(
         default=1,
@@ -730,6 +805,7 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
     issues += _mix_issues(topology)
     issues += _placement_issues(topology)
     issues += _lora_issues(topology)
+    issues += _algorithm_issues(topology)
     if envs_dir is not None:
         issues += _missing_envs(topology, envs_dir)
     return issues
@@ -772,6 +848,52 @@ def _lora_issues(topology: Topology) -> list[ConfigIssue]:
                 )
         if server.adapters:
             issues += _adapter_issues(i, server)
+    return issues
+
+
+def _algorithm_issues(topology: Topology) -> list[ConfigIssue]:
+    """Algorithm settings that cannot work together: a ``loss_agg`` the algorithm does not allow (GSPO's
+    loss is a mean over sequences), off-policy correction without the trainer's own log-probabilities,
+    DAPO without the dynamic sampling it is defined with (docs/algorithms.md)."""
+    issues = []
+    for i, server in enumerate(topology.servers):
+        for j, model in enumerate(server.models()):
+            if model.trainer is not None:
+                where = f"servers[{i}]" if j == 0 else f"servers[{i}].adapters[{j - 1}]"
+                issues += _trainer_algorithm_issues(f"{where}.trainer", model.trainer)
+    return issues
+
+
+def _trainer_algorithm_issues(where: str, trainer: TrainerConfig) -> list[ConfigIssue]:
+    issues = []
+    if trainer.off_policy.mode != "none" and not trainer.recompute_logprobs:
+        issues.append(
+            ConfigIssue(
+                f"{where}.off_policy.mode",
+                f"off_policy.mode {trainer.off_policy.mode!r} weighs each token by the ratio of the "
+                "trained policy to the engine that sampled it, against the trainer's own log-probabilities; "
+                f"without {where}.recompute_logprobs: true the clipped ratio is already taken against the "
+                "engine's, and the correction would count the same ratio twice: set recompute_logprobs: "
+                "true or off_policy.mode: none",
+            )
+        )
+    spec = algorithm(trainer.algorithm)
+    if trainer.loss_agg is not None and trainer.loss_agg not in spec.loss_aggs:
+        issues.append(
+            ConfigIssue(
+                f"{where}.loss_agg",
+                f"algorithm {trainer.algorithm!r} is defined with loss_agg {' or '.join(spec.loss_aggs)}, "
+                f"not {trainer.loss_agg!r}: drop {where}.loss_agg or pick another algorithm",
+            )
+        )
+    if spec.group_filter and not (trainer.skip_equal_groups and trainer.batch_policy == "tasks"):
+        issues.append(
+            ConfigIssue(
+                f"{where}.skip_equal_groups",
+                f"algorithm {trainer.algorithm!r} refills a batch with task groups whose rewards differ: it "
+                f"needs {where}.skip_equal_groups: true and {where}.batch_policy: tasks",
+            )
+        )
     return issues
 
 

@@ -364,3 +364,10 @@ def _key(episode: EpisodeData) -> Key:
 def reward_stats(batch: Batch) -> tuple[float, float]:
     rewards = batch.rewards()
     return statistics.fmean(rewards), (statistics.pstdev(rewards) if len(rewards) > 1 else 0.0)
+
+
+def staleness_histogram(episodes: Sequence[EpisodeData], trained_version: int) -> dict[str, int]:
+    """How many of the batch's model calls were served how many policy versions behind the policy that
+    trained on them (``{"0": n0, "1": n1, ...}``, by lag)."""
+    lags = Counter(trained_version - t.policy_version for e in episodes for t in e.timelines)
+    return {str(lag): lags[lag] for lag in sorted(lags)}

@@ -37,7 +37,7 @@ from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats
+from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats, staleness_histogram
 from ajet_hpc.trainer.episodes_to_samples import build_samples, gc_paused
 from ajet_hpc.trainer.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.journal import ConsumedJournal
@@ -594,6 +594,8 @@ class Coordinator:
             **(engine_s or dict.fromkeys(("engine_pause_s", "engine_sleep_s", "engine_wake_s"))),
             "policy_version": self.step,
             "staleness": statistics.fmean(lag) if lag else 0.0,
+            "staleness_hist": staleness_histogram(batch.episodes, self.step - 1),
+            **result.off_policy,
             "skipped_equal_groups": batch.skipped_equal,
             "client_groups": batch.tasks_per_client_group(),
             "mix_shortfall": batch.shortfall,

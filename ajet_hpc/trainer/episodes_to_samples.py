@@ -30,9 +30,13 @@ import numpy as np
 
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.credit import group_turn_advantages, masked_row, turn_returns
+from ajet_hpc.algo.dapo import overlong_penalty
 from ajet_hpc.algo.merge import MergeStats, Snap
+from ajet_hpc.algo.reinforce_pp import whiten_stats
 from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_arrays, binary_runs, trained_count
 from ajet_hpc.config import MergeConfig, TrainerConfig
+from ajet_hpc.config.algorithms import Baseline, algorithm
+from ajet_hpc.config.topology import OverlongConfig
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
 from ajet_hpc.trainer.collector import Batch
@@ -128,7 +132,7 @@ def episode_fault(episode: EpisodeData, config: TrainerConfig) -> str | None:
     if reason is not None:
         return reason
     try:  # its samples alone (cheap; merging, the costly part, is blamed per episode in the build)
-        call_samples([episode], config.turn_gamma)
+        call_samples([episode], config.turn_gamma, overlong=config.overlong)
     except Exception as exc:
         return f"its samples cannot be built: {type(exc).__name__}: {exc}"
     return None
@@ -169,12 +173,15 @@ def _build(
     groups: list[list[EpisodeData]], config: TrainerConfig, decode: Callable[[list[int]], str] | None
 ) -> tuple[list[Sample], MergeStats]:
     per_call = []
+    spec = algorithm(config.algorithm)
     for group in groups:
         with _blame(group, "the task group's advantages"):
-            built, finite = _call_samples(group, config.turn_gamma)
+            built, finite = _call_samples(group, config.turn_gamma, spec.baseline, config.overlong)
         if not finite:
             raise _Faulty(group, "the task group's advantages are not finite (rewards too large?)")
         per_call.append(built)
+    if spec.batch_whiten:
+        whiten_batch([s for group in per_call for episode in group for s in episode])
     if config.loss_weighting == "episode":
         weigh_episodes([s for group in per_call for episode in group for s in episode])
     stats = MergeStats()
@@ -200,12 +207,22 @@ def _build(
     return [as_arrays(s) for s in samples], stats
 
 
-def call_samples(group: list[EpisodeData], gamma: float) -> list[list[Sample]]:
+def call_samples(
+    group: list[EpisodeData],
+    gamma: float,
+    baseline: Baseline = "group_std",
+    overlong: OverlongConfig | None = None,
+) -> list[list[Sample]]:
     """Per episode of a task group, one sample per call (``calls=[k]``), with its turn's advantages."""
-    return _call_samples(group, gamma)[0]
+    return _call_samples(group, gamma, baseline, overlong)[0]
 
 
-def _call_samples(group: list[EpisodeData], gamma: float) -> tuple[list[list[Sample]], bool]:
+def _call_samples(
+    group: list[EpisodeData],
+    gamma: float,
+    baseline: Baseline = "group_std",
+    overlong: OverlongConfig | None = None,
+) -> tuple[list[list[Sample]], bool]:
     """`call_samples`, and whether every advantage is finite. A sample's advantages are 0.0 and its turn's
     advantage (where its loss mask is 1), so the turn advantages of samples with a trained token are
     checked instead of every token.
@@ -214,10 +231,10 @@ def _call_samples(group: list[EpisodeData], gamma: float) -> tuple[list[list[Sam
     the answer's logprobs: zeros (which cost no pass over a prompt) and slices, where lists cost a Python
     number per token of every prompt, allocated, merged and freed (16M call tokens at a real batch). A
     mask that is not 0/1 keeps lists (`Sample` refuses it, with the same error)."""
-    returns = [_episode_returns(episode, gamma) for episode in group]
+    returns = [_episode_returns(episode, gamma, overlong) for episode in group]
     calls = [(e, t) for e, episode in enumerate(group) for t in range(len(episode.timelines))]
     timelines = [timeline for episode in group for timeline in episode.timelines]
-    turns = group_turn_advantages(returns)  # episode_token_advantages, its per-token rows by runs
+    turns = group_turn_advantages(returns, baseline=baseline)  # as episode_token_advantages, by runs
     zeros = _Zeros(sum(len(timeline.loss_mask) for timeline in timelines))
     out: list[list[Sample]] = [[] for _ in group]
     finite = True
@@ -274,6 +291,22 @@ def _call_fields(timeline: Timeline, advantage: float, zeros: _Zeros) -> dict:
         advantages[start:end] = advantage
     old_logprobs[prompt:] = timeline.response_logprobs
     return {"loss_mask": loss_mask, "old_logprobs": old_logprobs, "advantages": advantages}
+
+
+def whiten_batch(samples: list[Sample], eps: float = 1e-6) -> None:
+    """Standardise the advantages of the batch's trained tokens (REINFORCE++): ``(A - mean) / (std + eps)``
+    over all of them, in place. Before merging: merging changes no token, so no statistic."""
+    rows = []
+    for sample in samples:
+        mask = np.asarray(sample.loss_mask) != 0
+        if mask.any():
+            rows.append((sample, mask, np.array(sample.advantages, np.float64)))
+    if not rows:
+        return
+    mean, std = whiten_stats(np.concatenate([advantages[mask] for _, mask, advantages in rows]))
+    for sample, mask, advantages in rows:
+        advantages[mask] = (advantages[mask] - mean) / (std + eps)
+        sample.advantages = advantages
 
 
 def weigh_episodes(samples: list[Sample]) -> None:
@@ -374,10 +407,20 @@ def _text_prefix(earlier: Timeline, later: Timeline, decode: Callable[[list[int]
     return decode is not None and merge.text_is_prefix(earlier.token_ids, later.prompt_ids, decode)
 
 
-def _episode_returns(episode: EpisodeData, gamma: float) -> list[float]:
-    """One return per answer of the episode: the episode reward, or per-turn returns when reported."""
+def _episode_returns(
+    episode: EpisodeData, gamma: float, overlong: OverlongConfig | None = None
+) -> list[float]:
+    """One return per answer of the episode: the episode reward, or per-turn returns when reported. With
+    ``overlong`` the reward is shaped first by the episode's longest answer (DAPO)."""
     calls = len(episode.timelines)
     reward = float(episode.reward or 0.0)
+    if overlong is not None:
+        if overlong.max_tokens is None:
+            raise ValueError(
+                "trainer.overlong.max_tokens is unset (the server's serving.max_tokens fills it)"
+            )
+        longest = max(len(timeline.response_ids) for timeline in episode.timelines)
+        reward += overlong_penalty(longest, overlong.max_tokens, overlong.buffer_tokens, overlong.penalty)
     if not episode.turn_rewards:
         return [reward] * calls
     return list(turn_returns(episode.turn_rewards, reward, gamma))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from ajet_hpc.config.placement import Placement
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer.algorithm_settings import resolve
 from ajet_hpc.trainer.sync_plan import SyncPlan
 from ajet_hpc.trainer.trackers import Trackers
 
@@ -118,7 +120,9 @@ class TrainerSetup:
                 "receives weights (the vLLM engine)"
             )
 
-    @property
+    @cached_property
     def trainer(self) -> TrainerConfig:
+        """The server's trainer settings, with its algorithm's and serving's defaults filled in
+        (``ajet_hpc.trainer.algorithm_settings``)."""
         assert self.server.trainer is not None  # checked in __post_init__
-        return self.server.trainer
+        return resolve(self.server.trainer, self.server.serving)

@@ -13,7 +13,8 @@ temporary name and renamed, so a reader sees a whole file or none:
 ``outbox/step-000001.json``
     The result, written by rank 0 after the optimizer step and the weight hand-off: a :class:`StepResult`
     as flat JSON (``{"step", "loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples",
-    "step_time_s", "export_time_s", "checkpoint", "checkpoint_time_s", "weights"}`` with ``"weights":
+    "step_time_s", "export_time_s", "checkpoint", "checkpoint_time_s", "off_policy", "weights"}`` with
+    ``"weights":
     "disk"`` and ``"weights_dir"``, ``"weights": "memory"``, ``"sync_send_s"`` and ``"sync_bytes"``, or
     ``"weights": "withheld"`` when the server's job was ending and the in-memory send stopped); or
     ``{"step", "error"}`` when the step failed (the ranks then exit).
@@ -336,10 +337,14 @@ class StepResult:
     checkpoint: bool
     checkpoint_time_s: float
     weights: WeightHandoff
+    off_policy: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The engine/trainer gap (``ajet_hpc.trainer.step.off_policy_metrics``); absent in older files."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat JSON of a result file (the module doc)."""
         fields = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+        if not self.off_policy:  # a run without correction writes the former layout
+            del fields["off_policy"]
         return {**fields, **self.weights.to_json()}
 
     @classmethod
@@ -350,9 +355,12 @@ class StepResult:
         values: dict[str, Any] = {
             item.name: _field(payload, item.name, kinds[str(item.type)], what)
             for item in dataclasses.fields(cls)
-            if item.name != "weights"
+            if item.name not in ("weights", "off_policy")
         }
-        return cls(**values, weights=handoff_from_json(payload, what))
+        gap = payload.get("off_policy", {})
+        if not (isinstance(gap, dict) and all(isinstance(v, int | float) for v in gap.values())):
+            raise ValueError(f"{what}: field 'off_policy' is {gap!r}, not an object of numbers")
+        return cls(**values, weights=handoff_from_json(payload, what), off_policy=dict(gap))
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ import contextlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ajet_hpc.algo.grpo import policy_loss
+from ajet_hpc.algo import off_policy
+from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.output_layer import model_logprobs
 from ajet_hpc.algo.sample_tensors import (
     Sample,
@@ -55,26 +57,29 @@ def plan_micro_batches(
     return mine + [MicroBatch(filler, 0.0)] * (count - len(mine))
 
 
-def masked_tokens(samples: list[Sample]) -> int:
-    return sum(sum(s.loss_mask) for s in samples)
+_SUMS = ("loss", "tokens", "clip", "kl", "entropy", "mismatch_kl", "is_hit")
 
 
-_SUMS = ("loss", "tokens", "clip", "kl", "entropy")
-
-
-def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad_id: int) -> dict[str, float]:
+def train_step(
+    models: Models, samples: list[Sample], config: TrainerConfig, pad_id: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """Forward/backward every micro-batch of this rank, then one optimizer step (all ranks together).
 
     Returns the step's metrics, equal on every rank: ``loss`` (the batch's loss), ``kl`` (to the
     reference, 0 without one), ``entropy`` and ``clip_frac`` (means over the batch's masked tokens),
-    ``grad_norm`` (before clipping), ``tokens`` (masked tokens) and ``samples``.
+    ``grad_norm`` (before clipping), ``tokens`` (masked tokens) and ``samples``; and the engine/trainer gap
+    (:func:`off_policy_metrics`).
+
+    The algorithm (``config.algorithm``, ``ajet_hpc.config.algorithms``) sets the ratio's level and the loss
+    aggregation (``config.loss_agg`` where it leaves it open); ``config.off_policy`` weighs each term by
+    the importance weight between the engine's and the trainer's log-probabilities.
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     engine = models.engine
-    normalizer = masked_tokens(samples)
-    if normalizer == 0:
-        raise ValueError("the batch has no trainable token (every loss_mask is all 0)")
+    objective = Objective.of(config)
+    normalizer = objective.divisor(samples)
     sums = dict.fromkeys(_SUMS, 0.0)
+    log_ws: list[np.ndarray] = []
     attention = getattr(engine.module.config, "_attn_implementation", "sdpa")
     dtype = next(engine.module.parameters()).dtype
     for micro in plan_micro_batches(samples, world_size, rank, config.micro_batch_tokens):
@@ -96,22 +101,11 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
             min_chunks=head.min_chunks,
         )
         assert entropy is not None  # asked for above
-        old = logprobs.detach() if config.recompute_logprobs else batch["old_logprobs"]
         ref = None
         if models.reference is not None or models.reference_is_base:
             ref = _reference_logprobs(models, inputs, batch, head)
-        loss, metrics = policy_loss(
-            logprobs,
-            old,
-            batch["advantages"],
-            batch["loss_mask"],
-            clip_eps=config.clip_eps,
-            clip_eps_high=config.clip_eps_high,
-            kl_coef=config.kl_coef,
-            ref_logprobs=ref,
-            weights=batch["weights"],
-            normalizer=float(normalizer),
-        )
+        part = objective.micro_loss(logprobs, batch, float(normalizer), ref)
+        loss, metrics = part.loss, part.metrics
         engine.backward(loss * (micro.scale * world_size), scale_wrt_gas=False)
         with torch.no_grad():
             mask = batch["loss_mask"] != 0
@@ -121,6 +115,10 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
             sums["clip"] += metrics["clip_frac"] * tokens
             sums["kl"] += metrics.get("kl", 0.0) * tokens
             sums["entropy"] += float(torch.where(mask, entropy, 0.0).sum()) * micro.scale
+            sums["mismatch_kl"] += objective.mismatch_kl_sum(logprobs, batch, part.trained) * micro.scale
+            sums["is_hit"] += float(part.hit.sum()) * micro.scale
+            if micro.scale:
+                log_ws.append(part.log_w[part.trained].cpu().numpy())
         del logprobs, entropy, loss
     totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=models.device)
     dist.all_reduce(totals)
@@ -139,7 +137,31 @@ def train_step(models: Models, samples: list[Sample], config: TrainerConfig, pad
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "tokens": round(total["tokens"]),
         "samples": len(samples),
-    }
+    }, off_policy_metrics(total, _gathered(log_ws), objective.correction)
+
+
+def off_policy_metrics(
+    total: dict[str, float], log_w: np.ndarray, correction: off_policy.Correction
+) -> dict[str, float]:
+    """The engine/trainer gap of the step: ``mismatch_kl`` (k3 estimate of KL(engine || trainer) per
+    trained token), quantiles of the importance weights (``is_ratio_p01`` .. ``p99``, min, max; per token,
+    at the configured level), and under ``tis`` / ``mis`` the share of trained tokens truncated
+    (``is_truncated_frac``) or masked (``is_masked_frac``)."""
+    n = max(total["tokens"], 1.0)
+    out = {"mismatch_kl": total["mismatch_kl"] / n, **off_policy.ratio_quantiles(log_w)}
+    if correction.mode == "tis":
+        out["is_truncated_frac"] = total["is_hit"] / n
+    elif correction.mode == "mis":
+        out["is_masked_frac"] = total["is_hit"] / n
+    return out
+
+
+def _gathered(parts: list[np.ndarray]) -> np.ndarray:
+    """This step's log-weights of every rank, in one array (the same on every rank)."""
+    mine = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    every: list[np.ndarray | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return np.concatenate([part for part in every if part is not None])
 
 
 def model_inputs(

@@ -232,7 +232,7 @@ class Rank:
             raise RuntimeError(f"got step {batch.step}, expected {self.step + 1}")
         rank = self.env.rank
         started = time.monotonic()
-        metrics = train_step(self.models, batch.samples, self.config, self.pad_id)
+        metrics, gap = train_step(self.models, batch.samples, self.config, self.pad_id)
         step_time = time.monotonic() - started
         started = time.monotonic()
         weights = self._publish(batch.step)
@@ -259,6 +259,7 @@ class Rank:
             checkpoint=batch.save_checkpoint,
             checkpoint_time_s=round(checkpoint_time, 4),
             weights=weights,
+            off_policy=gap,
         )
         log.info(
             "step %d: loss %.5f, grad_norm %.4g, %d tokens; step %.2f s, export %.2f s, checkpoint %.2f s",

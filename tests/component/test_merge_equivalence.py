@@ -4,6 +4,7 @@ the packed tree (ancestor mask, depth positions) against one forward per call.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,12 @@ from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo import merge
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
+from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.sample_tensors import Sample, collate
+from ajet_hpc.config import TrainerConfig
+from ajet_hpc.config.algorithms import ALGORITHMS
+from ajet_hpc.config.topology import ServingConfig
+from ajet_hpc.trainer.algorithm_settings import resolve
 from ajet_hpc.trainer.step import model_inputs
 
 
@@ -146,3 +152,61 @@ def test_episode_weighting_is_the_same_merged_or_not(tiny_model: Path) -> None:
         separate, _ = flat_loss(samples, model, normalizer)
         together, _ = flat_loss(merged, model, normalizer)
     assert abs(float(separate - together)) < 1e-5
+
+
+OBJECTIVES: dict[str, dict[str, Any]] = {
+    **{name: {"algorithm": name} for name in ALGORITHMS},
+    "grpo+seq_mean_token_mean": {"algorithm": "grpo", "loss_agg": "seq_mean_token_mean"},
+    "grpo+tis": {"recompute_logprobs": True, "off_policy": {"mode": "tis", "cap": 1.1}},
+    "rloo+mis/sequence": {
+        "algorithm": "rloo",
+        "recompute_logprobs": True,
+        "off_policy": {"mode": "mis", "level": "sequence", "low": 0.7, "high": 1.4},
+    },
+    "gspo+tis/sequence": {
+        "algorithm": "gspo",
+        "recompute_logprobs": True,
+        "off_policy": {"mode": "tis", "level": "sequence", "cap": 1.5},
+    },
+}
+
+
+def test_every_algorithm_trains_merged_samples_like_the_calls_they_came_from(tiny_model: Path) -> None:
+    """The loss and gradients of each algorithm (its ratio level, loss aggregation, and off-policy weights
+    at token and sequence level) are the same on the calls, their linear merge and their packed tree. The
+    engine's log-probabilities are the model's own plus noise, so that the weights differ from 1."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.train(False)
+    per_call = calls(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        noise = torch.Generator().manual_seed(4)
+        for sample in per_call:
+            logprobs, _, _ = forward(model, [sample])
+            shifted = logprobs[0] + (torch.rand(logprobs.shape[1], generator=noise) - 0.5) * 0.6
+            sample.old_logprobs = torch.where(torch.tensor(sample.loss_mask) == 1, shifted, 0.0).tolist()
+    linear, _ = merge.merge_linear(per_call)
+    layouts = {"calls": per_call, "linear": linear, "tree": [merge.pack_tree(linear)]}
+    for name, settings in OBJECTIVES.items():
+        objective = Objective.of(
+            resolve(TrainerConfig.model_validate(settings), ServingConfig(max_tokens=16))
+        )
+        divisors = {objective.divisor(samples) for samples in layouts.values()}
+        assert len(divisors) == 1, (name, divisors)
+        divisor = float(divisors.pop())
+        results = {}
+        for layout, samples in layouts.items():
+            model.zero_grad()
+            logprobs, batch, _ = forward(model, samples)
+            part = objective.micro_loss(logprobs, batch, divisor)
+            part.loss.backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            results[layout] = (float(part.loss.detach()), grads, int(part.hit.sum()))
+        loss0, grads0, hits0 = results["calls"]
+        assert grads0.abs().max() > 0, name
+        for layout in ("linear", "tree"):
+            loss, grads, hits = results[layout]
+            assert abs(loss - loss0) < 1e-5, (name, layout)
+            assert (grads - grads0).abs().max() < 1e-5, (name, layout)
+            assert hits == hits0, (name, layout)
+        if "off_policy" in settings:
+            assert hits0 > 0, name  # the correction does act on this batch

@@ -35,3 +35,11 @@ def test_flex_tree_check_passes_with_the_block_mask_and_fails_with_a_causal_one(
 
     monkeypatch.setattr(step, "tree_block_mask", causal)  # a wrong mask, to show the check sees one
     assert check.flex_tree_check("cpu") > 1e-3
+
+
+def test_algorithm_bf16_check_runs_every_algorithm_within_its_bound_on_the_cpu() -> None:
+    """The GPU check's bf16 pass over every algorithm and correction, here on the CPU's bf16 kernels."""
+    check = _gpu_check()
+    token, sequence = check.algorithm_bf16_check("cpu")
+    assert 0 < token <= check.ALGORITHM_BF16_BOUND
+    assert token < sequence < 1  # the product over an answer's tokens multiplies the bf16 error

@@ -369,7 +369,15 @@ def test_pack_micro_batches_respects_the_budget() -> None:
 
 def test_collate_right_pads() -> None:
     batch = collate([_sample(3, weight=2.0), _sample(1, weight=0.5, start=7)], pad_id=99)
-    assert set(batch) == {"input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages", "weights"}
+    assert set(batch) == {
+        "input_ids",
+        "attention_mask",
+        "loss_mask",
+        "old_logprobs",
+        "advantages",
+        "weights",
+        "sequence_ids",
+    }
     assert batch["input_ids"].tolist() == [[10, 11, 12], [7, 99, 99]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [0, 0, 0]]
