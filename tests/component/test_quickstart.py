@@ -29,6 +29,18 @@ def run_locally(
     return done, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+OFF_POLICY = ("servers.policy.trainer.max_staleness=2", "servers.policy.trainer.recompute_logprobs=true")
+
+
+def assert_off_policy_metrics(rows: list[dict], share: str) -> None:
+    """The engine/trainer gap of every step in its metrics row (docs/algorithms.md, Metrics)."""
+    for row in rows:
+        assert 0 <= row["mismatch_kl"] < 1, row  # vLLM's kernels never give exactly the trainer's numbers
+        assert 0 <= row[share] <= 1 and row["is_ratio_min"] <= row["is_ratio_p50"] <= row["is_ratio_max"]
+        assert sum(row["staleness_hist"].values()) == row["samples_before_merge"], row
+        assert max(int(lag) for lag in row["staleness_hist"]) <= 2
+
+
 def test_quickstart_learns(tmp_path: Path) -> None:
     run = tmp_path / "quickstart"
     done, rows = run_locally(
@@ -61,8 +73,12 @@ def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
         "servers.policy.trainer.total_steps=3",
         "servers.policy.trainer.tasks_per_batch=4",
         "run.trackers=[tensorboard]",
+        *OFF_POLICY,
+        "servers.policy.trainer.off_policy.mode=mis",
+        "servers.policy.trainer.off_policy.level=sequence",
     )
     assert [row["step"] for row in rows] == [1, 2, 3]
+    assert_off_policy_metrics(rows, "is_masked_frac")
     events = EventAccumulator(str(tmp_path / "guess" / "tensorboard"), size_guidance={"histograms": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("policy/samples")] == [
@@ -90,8 +106,11 @@ def test_quickstart_runs_on_the_qwen_vocabulary(tmp_path: Path) -> None:
         "servers.policy.model=builtin:tiny-qwen",
         "servers.policy.trainer.skip_equal_groups=false",
         "servers.policy.trainer.total_steps=3",
+        *OFF_POLICY,
+        "servers.policy.trainer.off_policy.mode=tis",
     )
     assert [row["step"] for row in rows] == [1, 2, 3]
+    assert_off_policy_metrics(rows, "is_truncated_frac")
     for row in rows:
         assert row["policy_version"] == row["step"]
         assert row["weight_sync"] == "memory" and row["weight_sync_bytes"] > 0
