@@ -18,7 +18,7 @@ from torch import Tensor
 from ajet_hpc.algo import off_policy
 from ajet_hpc.algo.grpo import policy_loss
 from ajet_hpc.algo.loss_agg import step_divisor, token_scale
-from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.algo.sample_tensors import Sample, trained_count
 from ajet_hpc.algo.sequences import sequence_count
 from ajet_hpc.config.algorithms import algorithm
 from ajet_hpc.config.topology import TrainerConfig
@@ -62,7 +62,7 @@ class Objective:
 
     def divisor(self, samples: Sequence[Sample]) -> int:
         """What the step's summed token terms are divided by (``ajet_hpc.algo.loss_agg``)."""
-        tokens = sum(sum(s.loss_mask) for s in samples)
+        tokens = sum(trained_count(s.loss_mask) for s in samples)  # an int8 array's sum() would wrap
         sequences = sum(sequence_count(s.loss_mask, s.parents) for s in samples)
         return step_divisor(self.loss_agg, tokens, sequences)
 

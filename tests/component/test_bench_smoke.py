@@ -76,6 +76,13 @@ SMOKE = [
         marks=SLOW,
     ),
     pytest.param(
+        "algorithms.py",
+        ["--algorithms", "gspo", "--seeds", "0", "--steps", "2"],
+        ["steps_to_target_gspo", "final_reward_gspo", "learned_gspo"],
+        id="algorithms",
+        marks=SLOW,
+    ),
+    pytest.param(
         "load_agents.py",
         ["--agents", "4", "--seconds", "3", "--turns", "1", "--engine", "transformers"],
         ["agents", "episodes_per_s", "chat_p50_ms", "chat_p99_ms", "errors_5xx", "transport_errors"],
