@@ -108,6 +108,20 @@ def init_process_group(env: RankEnv, on_gpu: bool) -> None:
     log.info("process group up: %s, rank %d of %d", backend, env.rank, env.world_size)
 
 
+def close_process_group() -> None:
+    """The clean end of a rank, once every rank has been told to stop: a barrier, then the group destroyed.
+
+    A rank that leaves with its group alive lets the interpreter's finalisation destroy gloo's work objects,
+    which take the GIL while it is torn down and abort the process now and then (SIGABRT, and torchrun exits
+    1 on a run that ended well; see pytorch/pytorch#179291). The barrier keeps a rank from closing its
+    connections while another still talks on them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 SHM_COMM_OP = "deepspeed_shm_comm"
 
 

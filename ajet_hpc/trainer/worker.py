@@ -36,7 +36,7 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
 from ajet_hpc.trainer import rank_files, weight_sync, zero
-from ajet_hpc.trainer.distributed import RankEnv, init_process_group, rank_env
+from ajet_hpc.trainer.distributed import RankEnv, close_process_group, init_process_group, rank_env
 from ajet_hpc.trainer.rank_files import (
     Batch,
     DiskWeights,
@@ -202,6 +202,7 @@ class Rank:
             batch = self._next_batch()
             if batch is None:
                 log.info("stop requested: exiting at step %d", self.step)
+                close_process_group()
                 return 0
             try:
                 self._train(batch)

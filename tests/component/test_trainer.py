@@ -262,8 +262,13 @@ class Ranks:
         return run(self.channel.wait_result(step, timeout_s=STEP_TIMEOUT_S))
 
     def stop(self) -> int:
+        """Asks the ranks to stop; their exit status (a failure prints the ranks' log, to say why)."""
         self.channel.request_stop()
-        return self.proc.wait(timeout=60)
+        code = self.proc.wait(timeout=60)
+        if code != 0:
+            print(f"ranks exited {code}; the end of {self.log.name}:")
+            print("\n".join(self.log.read_text(errors="replace").splitlines()[-60:]))
+        return code
 
     def kill(self) -> None:
         """A crash: SIGKILL to torchrun and every rank (a SIGTERM alone they ignore until asked to stop,
