@@ -31,6 +31,7 @@ COMMANDS: dict[str, Command] = {
     "export": Command(
         "ajet_hpc.inspect.model_export", "a trained model (or LoRA adapter) as a Hugging Face folder"
     ),
+    "eval": Command("ajet_hpc.inspect.evaluate", "evaluate a saved checkpoint on a group's held-out tasks"),
     "study": Command("ajet_hpc.study.cli", "many runs over a search space, supervised; status and report"),
 }
 PROG = "ajet-hpc"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ajet_hpc.client.eval_runner import make_worker
 from ajet_hpc.client.runner import run_client
 from ajet_hpc.client.task_supervisor import run_supervised
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.once:
-        return run_client(args.run_dir, args.group, args.index)
+        return run_client(args.run_dir, args.group, args.index, make_worker)
     return run_supervised(args.run_dir, args.group, args.index)
 
 

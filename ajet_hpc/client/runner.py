@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,11 +75,11 @@ runs no episode it cannot record; a restart or requeue of the task resumes from 
 
 
 def pick_group(topology: Topology, name: str) -> ClientGroupConfig:
-    for group in topology.clients:
-        if group.name == name:
-            return group
-    names = ", ".join(g.name for g in topology.clients) or "(none)"
-    raise SystemExit(f"no client group named {name!r} in this run; groups are: {names}")
+    """The client group (or eval group) called ``name``; exits naming the groups otherwise."""
+    try:
+        return topology.client(name)
+    except KeyError as exc:
+        raise SystemExit(f"{exc.args[0]} (in this run)") from None
 
 
 def resolve_index(explicit: int | None) -> int:
@@ -121,6 +121,7 @@ class GroupTask:
         self.tally = Tally()
         self.ended: dict[str, dict[tuple[str, int], dict]] = {}  # server -> keys it ended, with results
         self.ends = 0  # episodes ended at every server (the test hook counts them)
+        self.episode_meta: dict[str, object] = {}  # sent with every begin (an eval round's step)
         store_path = run.client_store(group.name, index)
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = ClientStore.open(store_path, group=group.name, index=index)
@@ -162,7 +163,11 @@ class GroupTask:
             return self.tally
         except ServerGone:
             return self.tally
-        tasks = assigned_tasks(self.group, self.index, base_dir=self.rundir.root.parent)
+        return self.run_tasks(assigned_tasks(self.group, self.index, base_dir=self.rundir.root.parent))
+
+    def run_tasks(self, tasks: Iterable[Task]) -> Tally:
+        """Run ``repeats`` episodes of each task (the servers reached), skipping the (task, repeat) pairs
+        committed in the group's stores or ended at the servers; returns when all have ended."""
         done = self.store.committed()
         elsewhere = committed_in_group(self.rundir, self.group.name, mine=self.store.path) - done
         if done or elsewhere:
@@ -334,7 +339,7 @@ class GroupTask:
         return True
 
     def _attempt(self, task: Task, repeat: int) -> None:
-        meta = {"repeat": repeat, "client": self.index, "agent": self.group.agent}
+        meta = {**self.episode_meta, "repeat": repeat, "client": self.index, "agent": self.group.agent}
         begun: dict[str, dict] = {}
         try:
             for name in self.group.servers:
@@ -497,7 +502,22 @@ def _stop_on_sigterm(worker: GroupTask) -> Callable[[], None]:
     return restore
 
 
-def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | None = None) -> int:
+WorkerFactory = Callable[[RunDir, Topology, ClientGroupConfig, int], "GroupTask"]
+
+
+def group_task(run: RunDir, topology: Topology, group: ClientGroupConfig, index: int) -> GroupTask:
+    """The worker of a training group's array task."""
+    return GroupTask(run, group, index, episode_repeats(topology, group))
+
+
+def run_client(
+    run_dir: str | os.PathLike[str],
+    group_name: str,
+    index: int | None = None,
+    make_worker: WorkerFactory = group_task,
+) -> int:
+    """Run array task ``index`` of a group to its end; ``make_worker`` builds its worker (an eval group's
+    is ``client.eval_runner.EvalGroupTask``)."""
     setup_logging()
     run = RunDir.at(run_dir)
     topology = run.load_topology()
@@ -510,7 +530,7 @@ def run_client(run_dir: str | os.PathLike[str], group_name: str, index: int | No
         "client %s[%d] (job %s, pid %d) on node %s", group.name, index, job.job_id, os.getpid(), job.node
     )
     try:
-        worker = GroupTask(run, group, index, episode_repeats(topology, group))
+        worker = make_worker(run, topology, group, index)
     except (OSError, StoreError) as exc:  # a full disk or quota, a live writer elsewhere: nothing ran yet
         log.error(
             "client %s[%d] stops (exit %d) before any episode: its store cannot be opened: %s. Free space "

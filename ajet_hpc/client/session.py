@@ -160,6 +160,24 @@ class EpisodeAPI:
         reply.raise_for_status()
         return {(e["task_id"], e["repeat"]): e for e in reply.json()["ended"]}
 
+    def eval_round(self, group: str, index: int) -> dict[str, Any]:
+        """The server's answer to which eval round array task ``index`` of eval group ``group`` has to run
+        (``step``, or None after a wait of up to ``ROUND_POLL_S``; ``finished`` once training is over)."""
+        try:
+            reply = self._http.get("/v1/eval/round", params={"group": group, "index": index})
+        except httpx.TransportError as exc:
+            raise ServerAway(f"{self.url}: {type(exc).__name__}") from exc
+        if reply.status_code >= 500:
+            raise ServerAway(f"{self.url}: HTTP {reply.status_code}")
+        if reply.status_code >= 400:
+            raise EpisodeRejected(f"eval round of {group}: {_error_message(reply)}")
+        return reply.json()
+
+    def eval_done(self, group: str, index: int, step: int, episodes: int) -> bool:
+        """Report that this task ran its share of the round at ``step``; False when it was closed already."""
+        body = {"group": group, "index": index, "step": step, "episodes": episodes}
+        return bool(self._post("/v1/eval/done", body)["accepted"])
+
     def abort(self, episode_id: str, reason: str) -> None:
         try:
             self._post(f"/v1/episodes/{episode_id}/abort", {"reason": reason[-2000:]})

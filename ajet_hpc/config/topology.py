@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ajet_hpc.config.algorithms import algorithm
 from ajet_hpc.config.errors import ConfigError, ConfigIssue
+from ajet_hpc.config.evaluation import EvalConfig, eval_group, eval_issues
 from ajet_hpc.config.fields import (
     EntryPoint,
     EnvFile,
@@ -714,6 +715,11 @@ class ClientGroupConfig(JobResources):
         description="Restarts of an array task's runner that died without finishing (killed, crashed, out "
         "of memory), in its allocation; each resumes from the task's store. Then the array task fails.",
     )
+    eval: EvalConfig | None = Field(
+        default=None,
+        description="Held-out evaluation during training: an eval group '<name>-eval' runs this group's "
+        "agent on eval.tasks every eval.every_steps steps (docs/evaluation.md).",
+    )
 
 
 class Topology(BaseModel):
@@ -759,12 +765,26 @@ class Topology(BaseModel):
         raise KeyError(f"no server serves a model named {name!r}")
 
     def client(self, name: str) -> ClientGroupConfig:
-        """The client group called ``name``; ``KeyError`` naming the known groups otherwise."""
-        for client in self.clients:
+        """The client group called ``name`` (an eval group too); ``KeyError`` naming the groups otherwise."""
+        for client in [*self.clients, *self.eval_groups.values()]:
             if client.name == name:
                 return client
-        known = ", ".join(c.name for c in self.clients) or "(none)"
+        known = ", ".join([c.name for c in self.clients] + list(self.eval_groups)) or "(none)"
         raise KeyError(f"no client group named {name!r}; client groups are: {known}")
+
+    @property
+    def eval_groups(self) -> dict[str, ClientGroupConfig]:
+        """Eval group name -> the eval group of every client group with an ``eval`` block
+        (``config.evaluation``). They run as jobs of the run, but feed no trainer: ``clients`` does not
+        list them."""
+        return {g.name: g for g in (eval_group(c) for c in self.clients if c.eval is not None)}
+
+    def evaluated_by(self, eval_group_name: str) -> ClientGroupConfig | None:
+        """The client group whose eval group is ``eval_group_name``; None if it is not an eval group."""
+        for client in self.clients:
+            if client.eval is not None and eval_group(client).name == eval_group_name:
+                return client
+        return None
 
 
 def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list[ConfigIssue]:
@@ -806,6 +826,7 @@ def consistency_issues(topology: Topology, envs_dir: Path | None = None) -> list
     issues += _placement_issues(topology)
     issues += _lora_issues(topology)
     issues += _algorithm_issues(topology)
+    issues += eval_issues(topology)
     if envs_dir is not None:
         issues += _missing_envs(topology, envs_dir)
     return issues

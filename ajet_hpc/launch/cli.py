@@ -246,8 +246,9 @@ def hand_commands(topology: Topology, run: RunDir, pythons: Mapping[str, str] | 
             f"--cpus-per-task={server.cpus} --mem={server.mem} --time={server.time} "
             f"--output={logs}/%x-%j.out sbatch/server.sbatch {run.root} {server.name}"
         )
-    for group in topology.clients:
-        python = (pythons or {}).get(group.name)
+    for group in [*topology.clients, *topology.eval_groups.values()]:
+        evaluated = topology.evaluated_by(group.name)  # an eval group runs in its group's runtime
+        python = (pythons or {}).get(group.name if evaluated is None else evaluated.name)
         export = f"--export={shlex.quote(f'ALL,AJET_PYTHON={python}')} " if python else ""
         lines.append(
             f"sbatch {export}{common} -p {group.partition} --array=0-{group.array - 1} "

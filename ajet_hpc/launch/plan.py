@@ -1,6 +1,7 @@
 """What to submit for a topology, as plain data (no Slurm, no submitit): the launcher's plan.
 
-A server becomes one job; a client group becomes one job array. With ``cluster.hetjob`` a server and the
+A server becomes one job; a client group becomes one job array, and so does its eval group when it has an
+``eval`` block (``config.evaluation``). With ``cluster.hetjob`` a server and the
 client groups that use only that server become one heterogeneous job, one component each, the client
 tasks as the ``ntasks`` of their component. A client group with its own runtime (``env:``) carries that
 runtime's python, which every backend starts its tasks with.
@@ -114,13 +115,14 @@ def build_plan(
     """
     pythons = pythons or {}
     servers = [server_job(server) for server in topology.servers]
-    clients = {group.name: client_job(group, pythons.get(group.name)) for group in topology.clients}
+    groups = [*topology.clients, *topology.eval_groups.values()]
+    clients = {group.name: client_job(group, _python_of(topology, group, pythons)) for group in groups}
     plan: list[Planned] = []
     if topology.cluster.hetjob if hetjob is None else hetjob:
         for server in servers:
             # a group that uses only this server's models (itself, or adapters it serves) rides along
             served = {model.name for model in topology.host_of(server.target).models()}
-            riders = [clients.pop(g.name) for g in topology.clients if set(g.servers) <= served]
+            riders = [clients.pop(g.name) for g in groups if set(g.servers) <= served]
             if riders:
                 components = (server, *(_as_component(rider) for rider in riders))
                 plan.append(HetJobSpec(components))
@@ -132,6 +134,12 @@ def build_plan(
     if only is not None:
         plan = [job for job in plan if job.name in only]
     return plan
+
+
+def _python_of(topology: Topology, group: ClientGroupConfig, pythons: Mapping[str, str]) -> str | None:
+    """The python of a group's runtime; an eval group runs in the runtime of the group it evaluates."""
+    evaluated = topology.evaluated_by(group.name)
+    return pythons.get(group.name if evaluated is None else evaluated.name)
 
 
 def _as_component(job: JobSpec) -> JobSpec:

@@ -17,16 +17,18 @@ from fastapi import FastAPI
 
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Engine
-from ajet_hpc.server import challenge, watchdog
+from ajet_hpc.server import challenge, eval_routes, watchdog
 from ajet_hpc.server.episodes import EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.gate import RequestGate
 from ajet_hpc.server.router import router
 from ajet_hpc.server.serving import Service
 
-if TYPE_CHECKING:  # the server builds both in server/assembly.py; the HTTP front does not import them
+if TYPE_CHECKING:  # the server builds these in server/assembly.py; the HTTP front does not import them
+    from ajet_hpc.config.evaluation import EvalConfig
     from ajet_hpc.server.recorder import EpisodeRecorder
     from ajet_hpc.trainer.coordinator import Coordinator
+    from ajet_hpc.trainer.evaluation import EvalRounds
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class ServerContext:
     training_done: bool = False
     trained: bool = False  # this model's training is complete; it still serves co-trained models' episodes
     partners_done: Callable[[], bool] | None = None  # True once every co-trained server has trained
+    eval_configs: dict[str, EvalConfig] = field(default_factory=dict)  # eval groups using this model
+    evaluation: EvalRounds | None = None  # the eval rounds that follow this model's steps
     service: Service = field(init=False)
     episodes: EpisodeRegistry = field(init=False)
     admission: asyncio.Event = field(init=False)  # cleared while a strictly on-policy step runs
@@ -209,6 +213,7 @@ def _model_app(ctx: ServerContext, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(challenge.router)
+    app.include_router(eval_routes.router)
     app.add_middleware(RequestGate, ctx=ctx)  # token and body size, before the body is read
     return app
 

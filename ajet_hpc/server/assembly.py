@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.config.evaluation import EvalConfig, eval_group_name, evaluated_model
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
 from ajet_hpc.config.topology import (
     co_trained,
@@ -40,6 +41,7 @@ from ajet_hpc.slurm.environment import JobEnvironment
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.coordinator import Coordinator
+from ajet_hpc.trainer.evaluation import EvalPlan, EvalRounds
 from ajet_hpc.trainer.host import TrainerSetup
 from ajet_hpc.trainer.recovery import stored_summaries
 from ajet_hpc.trainer.sync_plan import SyncPlan, decide
@@ -148,7 +150,9 @@ def model_context(
     restored = ctx.episodes.restore_ended(stored)
     if restored:
         log.info("%d episode keys ended before this start (from %s)", restored, recorder.path)
+    ctx.eval_configs = eval_configs(topology, config.name)
     if config.trainer is not None:
+        ctx.evaluation = eval_rounds(ctx, topology, config, run)
         setup = TrainerSetup(
             server=config,
             model_path=parts.model_path,
@@ -164,6 +168,7 @@ def model_context(
             rank_env=parts.step_env,
             stored=stored,
             trackers=trackers_of(run, topology, config.name),
+            evaluation=ctx.evaluation,
         )
         ctx.attach_trainer(Coordinator(ctx, setup))
     partners = co_trained(topology, config.name)
@@ -174,6 +179,39 @@ def model_context(
             for name in partners
         )
     return ctx
+
+
+def eval_configs(topology: Topology, model: str) -> dict[str, EvalConfig]:
+    """Eval group -> its eval settings, for every eval group whose agents use ``model``."""
+    return {
+        name: group.eval
+        for name, group in ((eval_group_name(c.name), c) for c in topology.clients)
+        if group.eval is not None and model in group.servers
+    }
+
+
+def eval_rounds(
+    ctx: ServerContext, topology: Topology, config: ServerConfig, run: RunDir
+) -> EvalRounds | None:
+    """The eval rounds that follow ``config``'s steps (`trainer.evaluation`), None when no group's eval
+    block names this model."""
+    plans = [
+        EvalPlan(eval_group_name(c.name), c.name, c.eval, c.eval.array)
+        for c in topology.clients
+        if c.eval is not None and evaluated_model(topology, c) == config.name
+    ]
+    if not plans or config.trainer is None:
+        return None
+    recorder = ctx.recorder
+    return EvalRounds(
+        config.name,
+        plans,
+        config.trainer.total_steps,
+        run.metrics_file,
+        ended_keys=ctx.episodes.ended_keys,
+        written=recorder.written if recorder is not None else None,
+        trackers=lambda: ctx.coordinator.trackers if ctx.coordinator is not None else None,
+    )
 
 
 def engine_settings(

@@ -117,6 +117,7 @@ class Episode:
     reason: str | None = None
     ended_at: float | None = None
     stored_timelines: list[Timeline] | None = None
+    sampling: dict[str, Any] | None = None  # an eval episode's sampling settings, over what calls ask
 
     @property
     def timelines(self) -> list[Timeline]:

@@ -429,6 +429,27 @@ class EndedEpisodes(BaseModel):
     ended: list[EndedEpisode]
 
 
+class EvalRound(BaseModel):
+    """The answer to ``GET /v1/eval/round``: the round an eval array task has to run, if any."""
+
+    group: str
+    step: int | None = Field(description="The step whose policy the open round evaluates; None: none open.")
+    finished: bool = Field(description="Training is over: no round will open; the eval task may stop.")
+
+
+class EvalDoneRequest(_EpisodeBody):
+    model_config = ConfigDict(extra="forbid")
+
+    group: str = Field(description="The eval group.")
+    index: int = Field(ge=0, description="The eval array task that ran its share of the round.")
+    step: int = Field(ge=0, description="The round's step.")
+    episodes: int = Field(ge=0, description="Episodes of its share that ended (run now, or before).")
+
+
+class EvalDone(BaseModel):
+    accepted: bool = Field(description="False when that round is not open (closed meanwhile): no change.")
+
+
 class ServerStatus(BaseModel):
     server: str
     model: str

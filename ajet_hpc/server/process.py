@@ -76,7 +76,7 @@ class GracefulServer(uvicorn.Server):
             log.info("stopped by %s", names)
 
 
-class _Heartbeat(threading.Thread):
+class Heartbeat(threading.Thread):
     """Publishes the rendezvous once uvicorn accepts connections, then refreshes it with the server's state
     and policy version. A write that fails (disk full, ESTALE on NFS, any error) is logged and retried
     every ``RETRY_S``; the thread never dies of it (a server without a heartbeat looks dead to clients)."""
@@ -257,7 +257,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     else:
         contexts = [assemble(run, topology, config, where)]
         app = create_app(contexts[0], freeze_heap=True)
-    server = _uvicorn_server(app, config)
+    server = uvicorn_server(app, config)
     heartbeats = []
     for ctx in contexts:
         record = rendezvous.Rendezvous(
@@ -270,7 +270,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             node=job.node,
             started_at=ctx.started_at,
         )
-        heartbeats.append(_Heartbeat(run.rendezvous_file(ctx.name), record, server, ctx))
+        heartbeats.append(Heartbeat(run.rendezvous_file(ctx.name), record, server, ctx))
     _stop_when_over(contexts, server, heartbeats)
     for heartbeat in heartbeats:
         heartbeat.start()
@@ -296,7 +296,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
 
 
-def _uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:
+def uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:
     tls = config.serving
     return GracefulServer(
         uvicorn.Config(
@@ -311,7 +311,7 @@ def _uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:
 
 
 def _stop_when_over(
-    contexts: list[ServerContext], server: uvicorn.Server, heartbeats: list[_Heartbeat]
+    contexts: list[ServerContext], server: uvicorn.Server, heartbeats: list[Heartbeat]
 ) -> None:
     """Once a model's training is complete, or it failed: say so in its rendezvous; once every trained
     model of the server is over, stop serving (a model that only serves finishes with them)."""
@@ -321,7 +321,7 @@ def _stop_when_over(
 
     trained = [ctx for ctx in contexts if ctx.coordinator is not None] or contexts
 
-    def on_over(heartbeat: _Heartbeat, grace_s: float) -> None:
+    def on_over(heartbeat: Heartbeat, grace_s: float) -> None:
         heartbeat.try_beat()
         if not all(over(ctx) for ctx in trained):
             return
@@ -360,7 +360,7 @@ def _watch_deadline(
     return watch
 
 
-def _leave(ctx: ServerContext, rendezvous_file: Path, heartbeat: _Heartbeat) -> None:
+def _leave(ctx: ServerContext, rendezvous_file: Path, heartbeat: Heartbeat) -> None:
     """A server whose work is over leaves its rendezvous in place, state final (clients then stop instead
     of waiting); a server stopped before that (the job going down, to be requeued) withdraws it."""
     if ctx.failed or ctx.training_done:

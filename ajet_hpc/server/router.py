@@ -17,6 +17,7 @@ from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable
+from ajet_hpc.server.eval_routes import eval_begin, with_sampling
 from ajet_hpc.server.gate import AUTHORIZATION
 
 router = APIRouter()
@@ -86,7 +87,9 @@ async def begin(request: Request, body: p.BeginEpisodeRequest):
     await ctx.admission.wait()  # a strictly on-policy trainer is stepping
     if ctx.training_done:
         raise Conflict(f"training of {ctx.name} is finished: no new episodes", code="training_finished")
+    sampling = eval_begin(ctx, body)  # an eval group's episode: in the open round, sampled as it says
     episode = ctx.episodes.begin(body.task_id, body.group, body.metadata, body.repeat)
+    episode.sampling = sampling
     token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
     base = ctx.public_url or str(request.base_url).rstrip("/")
     return _json(
@@ -182,6 +185,7 @@ def _end_call(episode: Episode) -> None:
 
 async def _chat(request: Request, body: p.ChatCompletionRequest, episode_id: str | None):
     ctx, episode = _episode(request, episode_id)
+    body = with_sampling(body, episode)
     _begin_call(episode)
     if not body.stream:
         try:
@@ -212,6 +216,7 @@ async def _completion(request: Request, body: p.CompletionRequest, episode_id: s
         raise BadRequest(
             "stream is not supported on /v1/completions; use /v1/chat/completions", param="stream"
         )
+    body = with_sampling(body, episode)
     _begin_call(episode)
     try:
         return await ctx.service.completion(body, episode)

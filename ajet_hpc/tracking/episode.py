@@ -65,3 +65,26 @@ class EpisodeData(Protocol):
     def ended_at(self) -> float | None: ...
     @property
     def timelines(self) -> list[Timeline]: ...
+
+
+EVAL_STEP = "eval_step"
+"""The metadata key the server sets on an eval episode: the step whose policy it evaluates
+(``trainer/evaluation.py``). Such an episode is stored, scored and never trained."""
+
+
+def is_eval(metadata: dict[str, Any] | None) -> bool:
+    """Whether an episode's metadata marks it as an eval episode."""
+    return bool(metadata) and metadata.get(EVAL_STEP) is not None  # type: ignore[union-attr]
+
+
+def round_task_id(step: int, task_id: str) -> str:
+    """The task id of held-out task ``task_id`` in the round at ``step``: every round's keys are new."""
+    return f"s{step}/{task_id}"
+
+
+def split_round_task_id(task_id: str) -> tuple[int, str] | None:
+    """(step, held-out task id) of a round task id; None for another id."""
+    head, sep, rest = task_id.partition("/")
+    if not sep or not head.startswith("s") or not head[1:].isdigit():
+        return None
+    return int(head[1:]), rest

@@ -12,6 +12,8 @@ be zero) and counted. ``max_staleness`` bounds the policy lag of a sample: an ep
 served by a policy more than ``max_staleness`` versions behind the trained one is dropped and counted;
 0 means strictly on-policy (the server then admits no new episode while the trainer steps).
 
+Eval episodes (``tracking.episode.is_eval``) are never collected: their rounds score them.
+
 A task group that can no longer complete is dropped and counted (``dropped_incomplete``): when the
 repeats it lacks have already ended elsewhere (dropped as stale, or lost with a step), no client runs them
 again. A repeat that ended but is not yet in the server store (``announce``d, not yet ``add``-ed) is still
@@ -38,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ajet_hpc.config import TrainerConfig
-from ajet_hpc.tracking.episode import EpisodeData, EpisodeState
+from ajet_hpc.tracking.episode import EpisodeData, EpisodeState, is_eval
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +121,13 @@ class BatchCollector:
     def announce(self, episode: EpisodeData) -> None:
         """A closed episode that `add` will get once the server store holds it (the server calls this on
         close, `add` once written): until then its task group counts it as coming."""
-        if episode.state == EpisodeState.FINISHED and episode.timelines:
+        if episode.state == EpisodeState.FINISHED and episode.timelines and not is_eval(episode.metadata):
             self._in_transit[_key(episode)] += 1
 
     # The recorder calls this for every closed episode once it is stored (the registry, without a store).
     def add(self, episode: EpisodeData) -> None:
+        if is_eval(episode.metadata):  # an eval episode is scored by its round, never trained
+            return
         key = _key(episode)
         if self._in_transit[key] > 1:
             self._in_transit[key] -= 1

@@ -84,6 +84,7 @@ class Coordinator:
         self.stored = setup.stored  # the store's summaries read at the server's start, until restored
         self.trackers = setup.trackers  # closed with the ranks (`close`)
         self.sources_ended = setup.sources_ended
+        self.evaluation = setup.evaluation  # eval rounds that follow this model's steps (or None)
         self._restored = False
         self.placement = setup.placement
         self.sync = setup.sync
@@ -148,6 +149,7 @@ class Coordinator:
         try:
             channel = await self._resume_before_serving()
             await self._restore_collector()
+            self._open_eval_rounds(self.step)  # at the start (eval.at_start), or one a preemption cut
             total = self.config.total_steps
             bar = tqdm(
                 total=total,
@@ -187,6 +189,7 @@ class Coordinator:
             if ended is not None:
                 await self._end_early(channel, ended)
             channel.request_stop()
+            await self._last_eval_rounds(final=ended is not None)
         finally:
             if self._ahead is not None:  # a batch prepared for a step that never comes: not consumed
                 self._ahead.cancel()
@@ -298,7 +301,34 @@ class Coordinator:
             log.info(
                 "removed %d metrics rows past the checkpoint at step %d (they run again)", dropped, self.step
             )
+        if self.evaluation is not None:
+            self.evaluation.reload()  # eval rows past the checkpoint went with the step rows
         return channel
+
+    def _open_eval_rounds(self, step: int, final: bool = False) -> None:
+        """Open the eval rounds due now that the engine serves policy ``step`` (every one not yet run at
+        ``step`` when ``final``: training ended early there)."""
+        if self.evaluation is not None:
+            self.evaluation.open_due(step, final=final)
+
+    async def _eval_gate(self) -> float:
+        """Wait until the open eval rounds close (their episodes must all see the current policy); returns
+        the seconds waited."""
+        if self.evaluation is None or not self.evaluation.open:
+            return 0.0
+        started = time.monotonic()
+        await self.evaluation.wait_closed()
+        self._ranks_idle_since = max(self._ranks_idle_since, time.monotonic())  # idle for eval, not for us
+        return time.monotonic() - started
+
+    async def _last_eval_rounds(self, final: bool) -> None:
+        """Training is over: run the last step's rounds (those of an early end too), then let the eval
+        tasks stop."""
+        if self.evaluation is None:
+            return
+        self._open_eval_rounds(self.step, final=final)
+        await self.evaluation.wait_closed()
+        self.evaluation.finish()
 
     def _last_recorded(self) -> int:
         """The last step recorded: since ranks first started in this process, else in metrics.jsonl (by an
@@ -452,6 +482,7 @@ class Coordinator:
         """Consume a prepared batch (journal line, fsynced, then the batch file), start preparing the next
         one when staleness allows, wait for the result, sync the weights, record the step."""
         batch, samples, step = prepared.batch, prepared.samples, prepared.step
+        prepared.eval_wait_s = await self._eval_gate()
         if not samples:
             log.warning(
                 "step %d: no episode of the batch could be built (%d dropped: %s); the next batch trains it",
@@ -504,6 +535,7 @@ class Coordinator:
         self.step = step
         self.collector.set_policy_version(step)
         self._record(prepared, result, time.monotonic() - started, sync_s, engine_s)
+        self._open_eval_rounds(step)
         return True
 
     def save_on_signal(self, timeout_s: float) -> int | None:
@@ -588,6 +620,7 @@ class Coordinator:
             "weight_sync_s": round(sync_s, 4),
             "coordinator_s": round(prepared.work_s(), 4),
             "coordinator_critical_s": round(prepared.work_s(after=prepared.ranks_idle_since), 4),
+            "eval_wait_s": round(prepared.eval_wait_s, 4),
             "prepared_ahead": prepared.built < prepared.ranks_idle_since,
             "weight_sync": result.weights.kind,
             "weight_sync_bytes": result.weights.bytes if isinstance(result.weights, MemoryWeights) else None,
@@ -678,6 +711,7 @@ class _Prepared:
     taken: float  # when the collector gave the batch
     built: float  # when the build was over
     ranks_idle_since: float = 0.0  # set when it goes to the ranks: when their previous step ended
+    eval_wait_s: float = 0.0  # how long it waited for eval rounds before going to the ranks
 
     def work_s(self, after: float = 0.0) -> float:
         """Seconds of work, counting only what was done after ``after``."""

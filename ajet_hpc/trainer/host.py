@@ -26,6 +26,7 @@ from ajet_hpc.engine.base import Engine
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.trainer.algorithm_settings import resolve
+from ajet_hpc.trainer.evaluation import EvalRounds
 from ajet_hpc.trainer.sync_plan import SyncPlan
 from ajet_hpc.trainer.trackers import Trackers
 
@@ -110,6 +111,7 @@ class TrainerSetup:
     rank_env: Mapping[str, str] | None = None  # the job step's environment for the ranks (None: this one)
     stored: list[dict[str, object]] | None = None  # the store's summaries, read once at the server's start
     trackers: Trackers | None = None  # run.trackers beyond metrics.jsonl (TensorBoard, W&B, MLflow)
+    evaluation: EvalRounds | None = None  # the eval rounds that follow this model's steps
 
     def __post_init__(self) -> None:
         if self.server.trainer is None:

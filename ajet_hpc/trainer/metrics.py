@@ -12,6 +12,10 @@ Besides step rows the file holds *event rows*: ``{"event": ..., "model": ..., "r
 (a restart of the trainer's ranks, a server that failed or ended early). An event row has an ``event`` key and
 no ``step`` key; ``read_rows`` returns step rows only, ``read_events`` event rows only, and a resume never
 drops events (they happened, whatever step is trained again).
+
+*Eval rows* (``{"eval": <eval group>, "model": ..., "step": ..., "eval_pass@1": ...}``, one per eval round,
+``trainer/evaluation.py``) carry the step they evaluated: ``read_eval_rows`` returns them, ``read_rows`` does
+not, and a resume drops those past its checkpoint with the step rows (their rounds run again).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ajet_hpc.storage.files import append_jsonl, holder_dead, read_jsonl, write_
 log = logging.getLogger(__name__)
 
 EVENT = "event"
+EVAL = "eval"
 NO_POSIX_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 XLOCK_STALE_S = 30.0  # an O_EXCL lock file older than this is left by a dead or stuck holder
 XLOCK_POLL_S = 0.02
@@ -42,7 +47,12 @@ _warned: set[str] = set()
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The step rows of a metrics file (also the rows of other JSONL files without events, e.g. swaps)."""
-    return [row for row in _read_all(path) if EVENT not in row]
+    return [row for row in _read_all(path) if EVENT not in row and EVAL not in row]
+
+
+def read_eval_rows(path: Path, model: str | None = None) -> list[dict[str, Any]]:
+    """The eval rows of a metrics file (of ``model`` only, unless None), in the order written."""
+    return [row for row in _read_all(path) if EVAL in row and model in (None, row.get("model"))]
 
 
 def last_step(path: Path, model: str) -> int:
@@ -65,6 +75,14 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         raise ValueError(f"a metrics row needs {missing}")
     if EVENT in row:
         raise ValueError(f"a step row has no {EVENT!r} key; write events with append_event")
+    _append(path, row)
+
+
+def append_eval_row(path: Path, row: dict[str, Any]) -> None:
+    """Append an eval round's row (``eval``, ``model`` and ``step``: the step whose policy it evaluated)."""
+    missing = [key for key in (EVAL, "step", "model") if key not in row]
+    if missing:
+        raise ValueError(f"an eval row needs {missing}")
     _append(path, row)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.records import EpisodeRecord
-from ajet_hpc.tracking.episode import EpisodeState, episode_key
+from ajet_hpc.tracking.episode import EpisodeState, episode_key, is_eval
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def unconsumed(summaries: list[dict[str, Any]], consumed, version: int, max_stal
     out, seen = Unconsumed(), set()
     for s in summaries:
         if s["state"] != EpisodeState.FINISHED or not s["calls"] or s["episode_id"] in consumed:
+            continue
+        if is_eval(s.get("metadata")):  # scored by its eval round, never trained
             continue
         repeat = (s.get("metadata") or {}).get("repeat")
         key = episode_key(s["task_id"], s["group"], repeat if isinstance(repeat, int) else None)

@@ -30,16 +30,16 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-def _heartbeat(path: Path, monkeypatch: pytest.MonkeyPatch) -> process._Heartbeat:
+def _heartbeat(path: Path, monkeypatch: pytest.MonkeyPatch) -> process.Heartbeat:
     """The server's heartbeat thread, on stand-ins for uvicorn (started) and the server's state."""
     monkeypatch.setattr(rendezvous, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr(process._Heartbeat, "RETRY_S", 0.05)
+    monkeypatch.setattr(process.Heartbeat, "RETRY_S", 0.05)
     record = rendezvous.Rendezvous("policy", "http://127.0.0.1:1", "127.0.0.1", 1, os.getpid(), "1", "node")
     ctx = SimpleNamespace(
         state="training", engine=SimpleNamespace(policy_version=3), step=2, last_step_at=None, reason=None
     )
     server = cast(uvicorn.Server, SimpleNamespace(started=True))  # stand-in: the heartbeat reads `started`
-    beat = process._Heartbeat(path, record, server, cast(ServerContext, ctx))
+    beat = process.Heartbeat(path, record, server, cast(ServerContext, ctx))
     beat.start()
     return beat
 
