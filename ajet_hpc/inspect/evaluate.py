@@ -53,7 +53,8 @@ def eval_target(topology: Topology, group: str | None) -> tuple[ClientGroupConfi
     if group is None:
         if len(with_eval) != 1:
             raise EvalError(
-                f"the run has {len(with_eval)} client groups with an eval block ({names}): name one with --group"
+                f"the run has {len(with_eval)} client groups with an eval block ({names}): "
+                "name one with --group"
             )
         chosen = with_eval[0]
     else:
