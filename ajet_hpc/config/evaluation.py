@@ -68,7 +68,7 @@ class EvalConfig(BaseModel):
         "trains.",
     )
     array: int = Field(default=1, ge=1, description="Array tasks of the eval group.")
-    in_flight: int = Field(default=4, ge=1, description="Eval episodes in flight per eval array task.")
+    in_flight: int = Field(default=8, ge=1, description="Eval episodes in flight per eval array task.")
     timeout_s: float = Field(
         default=1800.0,
         gt=0,

@@ -17,7 +17,7 @@ from ajet_hpc.config import ConfigError, Topology
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.storage.rundir import RunDir, RunDirError
-from ajet_hpc.trainer.metrics import read_rows
+from ajet_hpc.trainer.metrics import read_eval_rows, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class ModelRun:
     name: str
     store_path: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)  # its eval rounds (metrics.jsonl)
     reader: EpisodeReader | None = None
 
     @property
@@ -112,6 +113,7 @@ class Run:
 
     def _load(self, model: ModelRun) -> None:
         model.metrics = [row for row in read_rows(self.rundir.metrics_file) if row.get("model") == model.name]
+        model.eval_rows = read_eval_rows(self.rundir.metrics_file, model.name)
         if model.reader is not None:
             model.reader.refresh()
         elif model.store_path.is_file():

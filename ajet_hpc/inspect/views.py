@@ -221,6 +221,7 @@ def model_summary(model: ModelRun) -> str:
     lines.append(f"  episodes   {len(summaries)}" + (f" ({by_state})" if summaries else ""))
     lines += _task_lines(summaries)
     lines += _step_lines(rows)
+    lines += eval_lines(model.eval_rows)
     ratio = merge_ratio(model, summaries)
     lines.append(
         f"  merge      {ratio[0]:.2f} samples per timeline ({ratio[1]})" if ratio else "  merge      -"
@@ -261,6 +262,30 @@ def _step_lines(rows: list[dict[str, Any]]) -> list[str]:
     if len(rows) > len(shown):
         lines.append(f"    ({len(rows) - len(shown)} earlier steps not shown)")
     lines += ["    " + line for line in text.splitlines()]
+    return lines
+
+
+def eval_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The eval rounds of a model, per eval group: step, reward, pass@k, episodes, the best step."""
+    lines = []
+    for group in dict.fromkeys(row["eval"] for row in rows):
+        mine = sorted((r for r in rows if r["eval"] == group), key=lambda r: r["step"])
+        ks = sorted({c for r in mine for c in r if c.startswith("eval_pass@")}, key=lambda c: int(c[10:]))
+        headers = ["step", "reward", *(c.removeprefix("eval_") for c in ks), "episodes", "complete"]
+        cells = (
+            [
+                r["step"],
+                r.get("eval_reward_mean"),
+                *(r.get(c) for c in ks),
+                r.get("eval_episodes"),
+                r.get("eval_complete"),
+            ]
+            for r in mine
+        )
+        last = mine[-1]
+        best = f"best step {last.get('eval_best_step')} (pass@1 {fmt(last.get('eval_best_pass@1'))})"
+        lines.append(f"  eval {group}  {sparkline([r.get('eval_pass@1') for r in mine])}  {best}")
+        lines += ["    " + line for line in table(headers, cells, right=headers).splitlines()]
     return lines
 
 

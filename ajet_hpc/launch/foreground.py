@@ -15,7 +15,7 @@ from ajet_hpc.launch.backends import Backend, LocalBackend
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.metrics import read_rows
+from ajet_hpc.trainer.metrics import read_eval_rows, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ def supervise(run: RunDir, backend: Backend, submitted: list[SubmittedJob], poll
     table = reward_table(read_rows(run.metrics_file))
     if table:
         print(table)
+    evals = eval_table(read_eval_rows(run.metrics_file))
+    if evals:
+        print(evals)
     print(f"run finished; everything is in {run.root}")
     return 0
 
@@ -89,6 +92,23 @@ def reward_table(rows: list[dict]) -> str:
             f"{row.get('model', ''):<10} {row['step']:>5}  {mean:11.3f}  {row.get('reward_std', 0):10.3f}"
             f"  {bar}"
         )
+    return "\n".join(lines)
+
+
+def eval_table(rows: list[dict]) -> str:
+    """The eval rounds: mean reward and pass@1 at each evaluated step, per model and eval group."""
+    if not rows:
+        return ""
+    lines = ["", "model      eval group        step  reward  pass@1", "-" * 60]
+    for row in sorted(rows, key=lambda r: (str(r.get("model")), str(r.get("eval")), r["step"])):
+        mean, p1 = row.get("eval_reward_mean"), row.get("eval_pass@1")
+        lines.append(
+            f"{row.get('model', ''):<10} {row['eval']:<16} {row['step']:>5}  "
+            f"{'-' if mean is None else f'{mean:6.3f}'}  {'-' if p1 is None else f'{p1:6.3f}'}"
+            f"{'' if row.get('eval_complete', True) else '  (incomplete)'}"
+        )
+    best = {(r.get("model"), r["eval"]): r.get("eval_best_step") for r in rows}
+    lines += [f"best eval step of {m} / {g}: {step}" for (m, g), step in best.items()]
     return "\n".join(lines)
 
 
