@@ -45,6 +45,7 @@ def _study_file(tmp_path: Path) -> Path:
             "servers.policy.trainer.repeats=4",
             "servers.policy.trainer.save_every=1",
             "clients.math.array=1",
+            "clients.math.eval=null",
         ],
         "space": {"clients.math.agent": [GOOD, BAD]},
         "seeds": SEEDS,

@@ -78,7 +78,7 @@ SMOKE = [
     pytest.param(
         "algorithms.py",
         ["--algorithms", "gspo", "--seeds", "0", "--steps", "2"],
-        ["steps_to_target_gspo", "final_reward_gspo", "learned_gspo"],
+        ["steps_to_target_gspo", "final_reward_gspo", "learned_gspo", "eval_pass1_gspo"],
         id="algorithms",
         marks=SLOW,
     ),

@@ -7,19 +7,19 @@ ranks, 3 client tasks of the built-in agent) launched in the foreground on the l
 the target counts ``inf`` steps. Medians over the seeds; ``learned_<algorithm>`` is how many seeds ended
 (last five steps) above where they began (first five).
 
+The quickstart's eval rounds (``clients.math.eval``: 16 held-out sums x 4 samples at steps 0, 5, 10, ...
+and the last step) give ``eval_pass1_<algorithm>``: the median over seeds of pass@1 at the last step.
+
 Ends with ``RESULT steps_to_target_<algorithm>=<median> final_reward_<algorithm>=<median>
-learned_<algorithm>=<seeds> ...`` for every algorithm run.
+learned_<algorithm>=<seeds> eval_pass1_<algorithm>=<median> ...`` for every algorithm run.
 
     .venv/bin/python tools/bench/algorithms.py                  # 6 algorithms x 3 seeds x 20 steps, ~1 h here
     .venv/bin/python tools/bench/algorithms.py --algorithms gspo --seeds 0 --steps 2   # the smoke test's
-
-Evaluation rounds (``eval``, pass@1 on held-out tasks) do not exist yet; the training reward stands in.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
@@ -29,12 +29,13 @@ import time
 from pathlib import Path
 
 from ajet_hpc.config.algorithms import ALGORITHMS
+from ajet_hpc.trainer import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> list[float]:
-    """One quickstart run; the reward mean of each step."""
+def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> tuple[list[float], float]:
+    """One quickstart run; the reward mean of each step, and pass@1 of the last step's eval round."""
     overrides = [
         f"run.dir={folder}",
         f"servers.policy.trainer.algorithm={algorithm}",
@@ -54,8 +55,10 @@ def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> list[float]
         raise SystemExit(
             f"{algorithm} seed {seed} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
         )
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [float(row["reward_mean"]) for row in rows]
+    rows = metrics.read_rows(folder / "metrics.jsonl")
+    evals = [row for row in metrics.read_eval_rows(folder / "metrics.jsonl") if row["step"] == steps]
+    final_pass1 = float(evals[-1]["eval_pass@1"]) if evals else math.nan
+    return [float(row["reward_mean"]) for row in rows], final_pass1
 
 
 def steps_to(rewards: list[float], target: float) -> float:
@@ -78,17 +81,19 @@ def main() -> int:
     result = []
     with tempfile.TemporaryDirectory(prefix="ajet-bench-algorithms-") as tmp:
         for algorithm in algorithms:
-            reached, final, learned = [], [], 0
+            reached, final, learned, passed = [], [], 0, []
             for seed in seeds:
                 start = time.monotonic()
-                rewards = run_once(Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps)
+                rewards, pass1 = run_once(Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps)
+                passed.append(pass1)
                 reached.append(steps_to(rewards, args.target))
                 final.append(statistics.fmean(rewards[-window:]))
                 first = statistics.fmean(rewards[:window])
                 learned += final[-1] > first
                 print(
                     f"{algorithm:<13} seed {seed}: steps to {args.target} {reached[-1]:g}, "
-                    f"last {window} steps {final[-1]:.3f}, first {window} {first:.3f} "
+                    f"last {window} steps {final[-1]:.3f}, first {window} {first:.3f}, "
+                    f"eval pass@1 at step {args.steps} {pass1:.3f} "
                     f"({time.monotonic() - start:.0f} s)",
                     flush=True,
                 )
@@ -96,6 +101,7 @@ def main() -> int:
                 f"steps_to_target_{algorithm}={statistics.median(reached):g}",
                 f"final_reward_{algorithm}={statistics.median(final):.3f}",
                 f"learned_{algorithm}={learned}",
+                f"eval_pass1_{algorithm}={statistics.median(passed):.3f}",
             ]
     print("RESULT " + " ".join(result))
     return 0
