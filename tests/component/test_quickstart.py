@@ -15,18 +15,21 @@ import pytest
 import torch
 from support import REPO, run_module
 
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.trainer import metrics
+
 pytestmark = pytest.mark.slow
 
 
 def run_locally(
     config: str, run: Path, *overrides: str
 ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
-    """Launch ``configs/<config>`` in the foreground on the local backend; its output and metrics rows."""
+    """Launch ``configs/<config>`` in the foreground on the local backend; its output and step rows."""
     done = run_module(
         "ajet_hpc.launch", str(REPO / "configs" / config), f"run.dir={run}", *overrides, timeout_s=900
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return done, metrics.read_rows(run / "metrics.jsonl")
 
 
 OFF_POLICY = ("servers.policy.trainer.max_staleness=2", "servers.policy.trainer.recompute_logprobs=true")
@@ -60,6 +63,58 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     # `ajet-hpc export` of full fine-tuning (ZeRO-2, 2 ranks): step 10 reproduces the engine's version 10
     export(run, tmp_path / "exported", step=10)
     assert_folder_reproduces(tmp_path / "exported", recorded_calls(run, 10))
+    assert_eval_rounds(run, [0, 5, 10, 14], samples=4, tasks=16)
+    assert "eval group" in done.stdout and "best eval step of policy / math-eval" in done.stdout
+    # `ajet-hpc eval`: the checkpoint of step 10, offline, the same agent and held-out tasks
+    offline = run_module("ajet_hpc.cli", "eval", str(run), "--step", "10", timeout_s=600)
+    assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
+    (head,) = [line for line in offline.stdout.splitlines() if line.startswith("policy step 10: ")]
+    assert head.startswith("policy step 10: 64 episodes of 16 tasks") and "pass@1 " in head, offline.stdout
+    (scratch,) = (run / "eval").iterdir()
+    with EpisodeReader(scratch / "data" / "policy.h5") as reader:
+        offline_eps = [s for s in reader.summaries() if s["state"] == "finished"]
+    assert len(offline_eps) == 64 and {tuple(s["policy_versions"]) for s in offline_eps} == {(0,)}
+
+
+def recount_pass_at_1(rewards: dict[str, list[float]]) -> float:
+    """pass@1 of a round by hand: the mean over tasks of the share of its samples with reward 1."""
+    return statistics.fmean(sum(r >= 1.0 for r in values) / len(values) for values in rewards.values())
+
+
+def assert_eval_rounds(run: Path, steps: list[int], samples: int, tasks: int) -> None:
+    """Every eval row equals a recount of its round from the server store; each round's episodes were
+    served by that step's policy; no eval episode was consumed by a training step (journal, store)."""
+    evals = metrics.read_eval_rows(run / "metrics.jsonl", "policy")
+    assert [row["step"] for row in evals] == steps
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        summaries = reader.summaries()
+        trained_in_store = {
+            episode_id for entry in reader.steps() for episode_id in entry.get("episode_ids") or ()
+        }
+    eval_eps = [s for s in summaries if s["group"] == "math-eval"]
+    assert all((s["metadata"] or {}).get("eval_step") is not None for s in eval_eps)
+    for row in evals:
+        step = row["step"]
+        mine = [s for s in eval_eps if s["state"] == "finished" and s["task_id"].startswith(f"s{step}/")]
+        assert len(mine) == samples * tasks and row["eval_episodes"] == len(mine) and row["eval_complete"]
+        assert {tuple(s["policy_versions"]) for s in mine} == {(step,)}  # served by policy `step` only
+        by_task: dict[str, list[float]] = {}
+        for s in mine:
+            by_task.setdefault(s["task_id"].split("/", 1)[1], []).append(s["reward"])
+        assert row["eval_reward_mean"] == pytest.approx(statistics.fmean(s["reward"] for s in mine), abs=1e-6)
+        assert row["eval_pass@1"] == pytest.approx(recount_pass_at_1(by_task), abs=1e-6)
+        assert {task: (v["n"], v["passed"]) for task, v in row["eval_tasks"].items()} == {
+            task: (len(values), sum(r >= 1.0 for r in values)) for task, values in by_task.items()
+        }
+    assert (
+        evals[-1]["eval_best_step"]
+        == max(evals, key=lambda r: (r["eval_pass@1"], r["eval_reward_mean"]))["step"]
+    )
+    eval_ids = {s["episode_id"] for s in eval_eps}
+    journal = [json.loads(line) for line in (run / "ckpt" / "policy" / "consumed.jsonl").read_text().split()]
+    consumed = {i for entry in journal for i in entry["trained"] + entry["dropped"]}
+    assert consumed and not consumed & eval_ids
+    assert trained_in_store and not trained_in_store & eval_ids
 
 
 def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
