@@ -11,15 +11,12 @@ are stored in the server store like any other, marked with their round, and neve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ajet_hpc.config.errors import ConfigIssue
 from ajet_hpc.config.fields import Name, TaskSource
-
-if TYPE_CHECKING:
-    from ajet_hpc.config.topology import ClientGroupConfig, Topology
 
 EVAL_SUFFIX = "-eval"
 """The eval group of client group ``g`` is ``g-eval`` (its jobs, its store folder, its episodes' group)."""
@@ -82,7 +79,11 @@ def eval_group_name(group: str) -> str:
     return group + EVAL_SUFFIX
 
 
-def eval_group(group: ClientGroupConfig) -> ClientGroupConfig:
+# The functions below take the topology's models (``config.topology`` imports this module, so they are
+# typed ``Any`` here): ``group`` is a ``ClientGroupConfig``, ``topology`` a ``Topology``.
+
+
+def eval_group(group: Any) -> Any:
     """The client group that runs ``group``'s evaluation: its agent, runtime and resources, the held-out
     tasks once each (``samples_per_task`` repeats), its own array."""
     ev = group.eval
@@ -103,7 +104,7 @@ def eval_group(group: ClientGroupConfig) -> ClientGroupConfig:
     )
 
 
-def evaluated_model(topology: Topology, group: ClientGroupConfig) -> str | None:
+def evaluated_model(topology: Any, group: Any) -> str | None:
     """The model whose steps ``group``'s eval rounds follow: ``eval.model``, else the first of the group's
     servers that trains (None when none does)."""
     if group.eval is not None and group.eval.model is not None:
@@ -114,7 +115,7 @@ def evaluated_model(topology: Topology, group: ClientGroupConfig) -> str | None:
     return None
 
 
-def eval_issues(topology: Topology) -> list[ConfigIssue]:
+def eval_issues(topology: Any) -> list[ConfigIssue]:
     """Eval blocks that cannot work: a model the group does not use, or one that does not train (no
     steps to follow), and an eval group name that another group already has."""
     issues = []

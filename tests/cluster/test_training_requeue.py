@@ -17,12 +17,15 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from support import REPO, jobs_ended, ranks_trained_steps, recorded_steps, run_module, wait_until
 
 from ajet_hpc.slurm import slurmcli
+from ajet_hpc.storage.episode_store_reader import EpisodeReader
+from ajet_hpc.trainer import metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
@@ -64,6 +67,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr + done.stdout
     jobs = {entry["name"]: entry for entry in json.loads((run / "jobs.json").read_text())}
     server_id, client_id = jobs["server-policy"]["job_id"], jobs["clients-math"]["job_id"]
+    eval_id = jobs["clients-math-eval"]["job_id"]  # the quickstart's eval group
     urgent = None
     try:
         tasks = {s.job_id: s for s in slurmcli.job_states([client_id])}
@@ -96,7 +100,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         assert before[-1] < TOTAL, "the run finished before the requeue could happen: raise TOTAL"
         subprocess.run(["scontrol", "requeue", server_id], check=True)
 
-        every = [server_id, client_id]
+        every = [server_id, client_id, eval_id]
         wait_until(
             lambda: jobs_ended(*every),
             900,
@@ -115,7 +119,22 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         client_logs = "".join(p.read_text() for p in (run / "logs" / "clients-math").glob("*_log.out"))
         assert "is back at" in client_logs or "reached server policy" in client_logs
         assert "stopping: " in client_logs  # the clients ended because training finished
+        assert_eval_rounds_once(run)
     finally:
         subprocess.run(
-            ["scancel", server_id, client_id, *([urgent] if urgent else [])], check=False, capture_output=True
+            ["scancel", server_id, client_id, eval_id, *([urgent] if urgent else [])],
+            check=False,
+            capture_output=True,
         )
+
+
+def assert_eval_rounds_once(run: Path) -> None:
+    """Through the preemption and the requeue, every eval round ran once and completely: one row per due
+    step, and one finished episode per (round task, sample) in the server store, all 16 x 4 of each."""
+    rows = metrics.read_eval_rows(run / "metrics.jsonl", "policy")
+    assert [row["step"] for row in rows] == [0, 5, 10, 15, TOTAL]
+    assert all(row["eval_complete"] and row["eval_episodes"] == 64 for row in rows), rows
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        finished = [s for s in reader.summaries() if s["group"] == "math-eval" and s["state"] == "finished"]
+    keys = Counter((s["task_id"], s["metadata"]["repeat"]) for s in finished)
+    assert len(keys) == 5 * 64 and set(keys.values()) == {1}

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from test_collector import config as collector_config
@@ -15,7 +16,7 @@ from test_collector import finished
 from ajet_hpc.algo.pass_at_k import pass_at_k, score_round
 from ajet_hpc.config import ConfigError, Topology
 from ajet_hpc.config.evaluation import EvalConfig
-from ajet_hpc.launch.plan import build_plan
+from ajet_hpc.launch.plan import JobSpec, build_plan
 from ajet_hpc.tracking.episode import EVAL_STEP, round_task_id, split_round_task_id
 from ajet_hpc.trainer import metrics
 from ajet_hpc.trainer.collector import BatchCollector
@@ -55,7 +56,7 @@ def test_round_task_ids() -> None:
 
 def topology(eval_block: dict | None, servers: list | None = None, group_servers=None) -> Topology:
     servers = servers or [{"name": "policy", "model": "builtin:tiny", "trainer": {"total_steps": 12}}]
-    client = {"name": "math", "agent": "m:f", "tasks": "builtin:arithmetic"}
+    client: dict[str, Any] = {"name": "math", "agent": "m:f", "tasks": "builtin:arithmetic"}
     client["servers"] = group_servers or ["policy"]
     if eval_block is not None:
         client["eval"] = eval_block
@@ -79,6 +80,7 @@ def test_the_eval_group_runs_the_agent_on_the_held_out_tasks() -> None:
     jobs = {job.name: job for job in build_plan(topo, pythons={"math": "/envs/agent/bin/python"})}
     assert set(jobs) == {"server-policy", "clients-math", "clients-math-eval"}
     evaluating = jobs["clients-math-eval"]
+    assert isinstance(evaluating, JobSpec)
     assert evaluating.array == 2 and evaluating.python == "/envs/agent/bin/python"  # the group's runtime
     assert evaluating.command(Path("RUN"))[-2:] == ["--group", "math-eval"]
 
