@@ -272,3 +272,21 @@ def test_eval_rows_are_not_step_rows(tmp_path: Path) -> None:
         metrics.append_eval_row(path, {"eval": "math-eval", "model": "policy"})
     assert [r["step"] for r in metrics.read_rows(path)] == [1] and metrics.last_step(path, "policy") == 1
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 0]
+
+
+def test_offline_eval_refuses_what_it_cannot_evaluate(tmp_path: Path, capsys) -> None:
+    from ajet_hpc.inspect.evaluate import main
+    from ajet_hpc.storage.rundir import RunDir
+
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    without = RunDir(tmp_path / "without")
+    without.prepare(topology(None))
+    assert main([str(without.root)]) == 2
+    assert "0 client groups with an eval block" in capsys.readouterr().err
+    untrained = RunDir(tmp_path / "untrained")
+    untrained.prepare(topology({"tasks": "builtin:arithmetic_eval"}))
+    assert main([str(untrained.root), "--group", "other"]) == 2
+    assert "no client group 'other' with an eval block; groups with one: math" in capsys.readouterr().err
+    assert main([str(untrained.root), "--step", "5"]) == 2  # the group's model has not saved step 5
+    assert "no checkpoint of step 5" in capsys.readouterr().err
