@@ -41,6 +41,7 @@ def launch(run: Path, engine: str, steps: int, with_engine: bool) -> tuple[float
         f"servers.policy.engine={engine}",
         f"servers.policy.trainer.total_steps={steps}",
         f"servers.policy.trainer.start_with_engine={str(with_engine).lower()}",
+        "clients.math.eval=null",  # an eval round at step 0 would hold the first step: not start-up
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     began = time.time()
