@@ -1,5 +1,5 @@
-"""Task sources: ``builtin:<name>``, a JSONL file, or ``module:callable``; sharded over array tasks and
-repeated for ``epochs`` passes.
+"""Task sources: ``builtin:<name>``, ``reasoning_gym:<dataset>`` (``builtin_tasks/reasoning_gym_source.py``),
+a JSONL file, or ``module:callable``; sharded over array tasks and repeated for ``epochs`` passes.
 
 Pass ``e > 0`` over a source renames each task ``<id>@<e>``: a (client group, task id, repeat) key then
 names one episode over the whole run, which is what makes results exactly-once and resumable (the store
@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ajet_hpc.builtin_tasks import reasoning_gym_source
 from ajet_hpc.client.api import Task
+from ajet_hpc.config.fields import REASONING_GYM_PREFIX
 
 if TYPE_CHECKING:
     from ajet_hpc.config import ClientGroupConfig
@@ -64,6 +66,11 @@ def _jsonl(path: Path) -> Iterator[Task]:
 
 def open_source(spec: str, base_dir: Path | None = None) -> Iterator[Task]:
     """A fresh iterator over every task of ``spec``, in a stable order."""
+    if spec.startswith(REASONING_GYM_PREFIX):
+        try:
+            return reasoning_gym_source.tasks(spec)
+        except (ImportError, ValueError) as exc:
+            raise TaskSourceError(str(exc)) from exc
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         try:

@@ -14,6 +14,9 @@ from pydantic import AfterValidator, BeforeValidator
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny", "tiny-qwen")
+REASONING_GYM_PREFIX = "reasoning_gym:"
+_RG_DATASET = re.compile(r"^[a-z0-9_]+$")
+_RG_PARAM = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _IDENT = r"[^\W\d]\w*"
@@ -131,8 +134,43 @@ def _check_entry_point(text: str) -> str:
     return text
 
 
+def parse_reasoning_gym(spec: str) -> tuple[str, dict[str, int | float | bool | str]]:
+    """``reasoning_gym:<dataset>[?size=N&seed=S&<config field>=<value>...]`` as (dataset, parameters):
+    values are YAML-like scalars (``3`` an int, ``0.5`` a float, ``true`` a bool, else a string).
+    ``ValueError`` naming what is wrong."""
+    body = spec.removeprefix(REASONING_GYM_PREFIX)
+    dataset, _, query = body.partition("?")
+    if not _RG_DATASET.fullmatch(dataset):
+        raise ValueError(
+            f"invalid reasoning-gym source {spec!r}; use 'reasoning_gym:<dataset>[?size=N&seed=S]' with a "
+            "dataset name such as chain_sum"
+        )
+    params: dict[str, int | float | bool | str] = {}
+    for pair in query.split("&") if query else []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not _RG_PARAM.fullmatch(key) or not raw or key in params:
+            raise ValueError(f"invalid parameter {pair!r} in {spec!r}; use key=value pairs joined by '&'")
+        params[key] = _scalar(raw)
+    return dataset, params
+
+
+def _scalar(raw: str) -> int | float | bool | str:
+    if raw in ("true", "false"):
+        return raw == "true"
+    for kind in (int, float):
+        try:
+            value = kind(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            return value
+    return raw
+
+
 def _check_task_source(text: str) -> str:
-    if text.startswith(BUILTIN_PREFIX):
+    if text.startswith(REASONING_GYM_PREFIX):
+        parse_reasoning_gym(text)
+    elif text.startswith(BUILTIN_PREFIX):
         if not _NAME.fullmatch(text.removeprefix(BUILTIN_PREFIX)):
             raise ValueError(f"invalid builtin task set {text!r}; use 'builtin:<name>'")
     elif text.endswith(".jsonl"):
@@ -140,8 +178,8 @@ def _check_task_source(text: str) -> str:
             raise ValueError(f"invalid task file {text!r}")
     elif not _ENTRY_POINT.fullmatch(text):
         raise ValueError(
-            f"invalid task source {text!r}; use 'builtin:<name>', a path ending in '.jsonl', "
-            "or 'module.path:callable'"
+            f"invalid task source {text!r}; use 'builtin:<name>', 'reasoning_gym:<dataset>', a path "
+            "ending in '.jsonl', or 'module.path:callable'"
         )
     return text
 

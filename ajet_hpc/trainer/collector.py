@@ -365,6 +365,14 @@ def _key(episode: EpisodeData) -> Key:
     return (episode.group or "", episode.task_id or episode.episode_id)
 
 
+def reward_by_group(batch: Batch) -> dict[str, float]:
+    """Mean reward of the batch's episodes per client group (a dataset per group, in a mix)."""
+    rewards: dict[str, list[float]] = {}
+    for episode in batch.episodes:
+        rewards.setdefault(episode.group or "", []).append(float(episode.reward or 0.0))
+    return {group: statistics.fmean(values) for group, values in sorted(rewards.items())}
+
+
 def reward_stats(batch: Batch) -> tuple[float, float]:
     rewards = batch.rewards()
     return statistics.fmean(rewards), (statistics.pstdev(rewards) if len(rewards) > 1 else 0.0)

@@ -37,7 +37,13 @@ from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import Batch, BatchCollector, reward_stats, staleness_histogram
+from ajet_hpc.trainer.collector import (
+    Batch,
+    BatchCollector,
+    reward_by_group,
+    reward_stats,
+    staleness_histogram,
+)
 from ajet_hpc.trainer.episodes_to_samples import build_samples, gc_paused
 from ajet_hpc.trainer.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.journal import ConsumedJournal
@@ -631,6 +637,7 @@ class Coordinator:
             **result.off_policy,
             "skipped_equal_groups": batch.skipped_equal,
             "client_groups": batch.tasks_per_client_group(),
+            "reward_by_group": reward_by_group(batch),
             "mix_shortfall": batch.shortfall,
             "dropped_stale": batch.dropped_stale,
             "dropped_incomplete": batch.dropped_incomplete,
