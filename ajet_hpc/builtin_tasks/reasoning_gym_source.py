@@ -70,7 +70,13 @@ def _items(name: str, config: dict[str, Any], dataset: Any) -> Iterator[Task]:
         entry = dataset[index]
         yield Task(
             id=f"{name}-{config['seed']}-{index}",
-            data={"question": entry["question"], "dataset": name, "config": config, "index": index},
+            data={
+                "question": entry["question"],
+                "answer": entry["answer"],  # the oracle answer, for other scorers (rewards.math_answer)
+                "dataset": name,
+                "config": config,
+                "index": index,
+            },
         )
 
 

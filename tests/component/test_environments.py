@@ -60,3 +60,61 @@ def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(t
     assert json.loads(rescored.stdout) == pytest.approx([s["reward"] for s in finished[:60]])
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     assert "unexpected error on" not in server_log and "Traceback" not in server_log  # no 5xx answered
+
+
+VERIFY = """
+import json, sys
+from math_verify import parse, verify
+print(json.dumps([float(verify(parse(gold), parse(answer))) for answer, gold in json.load(sys.stdin)]))
+"""
+
+HELPER = """
+import json
+from concurrent.futures import ThreadPoolExecutor
+from ajet_hpc.rewards.math_answer import math_reward
+cases = [("\\\\boxed{1/2}", "0.5"), ("so it is \\\\frac{1}{2}", "1/2"), ("7", "8")]
+cases += [("no number", "3"), ("3.0", "3")]
+with ThreadPoolExecutor(4) as pool:  # from threads, as a runner calls agents
+    print(json.dumps(list(pool.map(lambda case: math_reward(*case), cases))))
+"""
+
+
+def test_math_verify_rewards_math_answers_in_a_short_training_run(tmp_path: Path) -> None:
+    """configs/math_answers.yaml for 3 steps in the runtime envs/math.txt: every episode's reward is
+    math-verify's verdict on its answer against the oracle answer (checked with math-verify itself), and
+    the helper gives math's answer from agent threads (equivalent forms match, others do not)."""
+    run = tmp_path / "math"
+    config = REPO / "configs" / "math_answers.yaml"
+    steps = "servers.policy.trainer.total_steps=3"
+    done = run_module("ajet_hpc.launch", str(config), f"run.dir={run}", steps, timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        finished = [s for s in reader.summaries() if s["state"] == "finished"]
+    (group,) = load_topology(config).clients
+    name, params = parse_reasoning_gym(group.tasks)
+    (python,) = (run / "envs").glob("math-*/bin/python")
+    golds = subprocess.run(
+        [str(python), "-c", GOLDS],
+        input=json.dumps([name, {"size": 200, "seed": 2, **params}]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gold_of = json.loads(golds.stdout)
+    pairs = [[s["metadata"]["answer"], gold_of[int(s["task_id"].rsplit("-", 1)[1])]] for s in finished]
+    verdicts = subprocess.run(
+        [str(python), "-c", VERIFY], input=json.dumps(pairs), capture_output=True, text=True, check=True
+    )
+    assert json.loads(verdicts.stdout) == [s["reward"] for s in finished]
+    helper = subprocess.run([str(python), "-c", HELPER], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(helper.stdout) == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+GOLDS = """
+import json, sys
+import reasoning_gym
+name, config = json.load(sys.stdin)
+dataset = reasoning_gym.create_dataset(name, **config)
+print(json.dumps([dataset[i]["answer"] for i in range(len(dataset))]))
+"""

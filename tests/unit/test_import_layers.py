@@ -20,7 +20,7 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
     {"storage"},
     {"trainer"},
     {"server"},
-    {"client", "builtin_tasks", "agents"},
+    {"client", "builtin_tasks", "agents", "rewards"},
     {"inspect", "launch"},
     {"status", "cancel", "logs", "cli", "study"},
 ]

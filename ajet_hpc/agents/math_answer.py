@@ -1,0 +1,22 @@
+"""Agent for math tasks with a gold answer (``task.data["answer"]``, e.g. ``reasoning_gym:chain_sum``): ask
+once, reward with math-verify (``rewards.math_answer``), whatever form the answer takes."""
+
+from __future__ import annotations
+
+from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.rewards.math_answer import math_reward
+
+INSTRUCTION = "Give the final answer in \\boxed{}."
+MAX_TOKENS = 32
+
+
+def solve(ctx: EpisodeContext) -> Outcome:
+    data = ctx.task.data
+    reply = ctx.model.client().chat.completions.create(
+        model=ctx.model.name,
+        messages=[{"role": "user", "content": f"{data['question']}\n{INSTRUCTION}"}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+    )
+    answer = reply.choices[0].message.content or ""
+    return Outcome(reward=math_reward(answer, str(data["answer"])), metadata={"answer": answer})
