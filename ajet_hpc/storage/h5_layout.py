@@ -212,9 +212,19 @@ def check_layout(handle: h5py.File, path: Path) -> None:
         raise StoreError(
             f"{path}: not a server episode store (no layout_version attribute or commit counter)"
         )
-    if int(version) != LAYOUT_VERSION:
+    if isinstance(version, bytes):
+        version = version.decode(errors="replace")
+    if isinstance(version, str) and version.strip().isdigit():
+        version = int(version)
+    if isinstance(version, bool) or not isinstance(version, int | np.integer):
         raise StoreError(
-            f"{path}: store layout version {int(version)}, this code reads layout version {LAYOUT_VERSION}; "
+            f"{path}: its layout_version attribute is {version!r}, not a version number: the file is not "
+            "a store this code wrote, or it was damaged"
+        )
+    number = int(version)
+    if number != LAYOUT_VERSION:
+        raise StoreError(
+            f"{path}: store layout version {number}, this code reads layout version {LAYOUT_VERSION}; "
             "read it with the ajet_hpc release that wrote it, or start a new run directory"
         )
 

@@ -404,6 +404,20 @@ def test_another_layout_version_is_refused(tmp_path: Path) -> None:
         EpisodeWriter(path)
 
 
+@pytest.mark.parametrize("version", ["one", b"\xff", 1.5j, 1.0])
+def test_a_layout_version_that_is_no_number_is_refused_by_name(tmp_path: Path, version) -> None:
+    """Issue 31: a string layout_version made the inspector exit 1 with a traceback; it is a StoreError
+    (exit 2 with one error line) naming the attribute and its value."""
+    path = tmp_path / "s.h5"
+    EpisodeWriter(path).close()
+    with h5py.File(path, "r+", locking=False) as f:
+        f.attrs["layout_version"] = version
+    with pytest.raises(StoreError, match=r"its layout_version attribute is .*, not a version number"):
+        EpisodeReader(path)
+    with pytest.raises(StoreError, match="not a version number"):
+        EpisodeWriter(path)
+
+
 @pytest.mark.parametrize("content", [b"", b"not an hdf5 file\n" * 10], ids=["empty", "text"])
 def test_a_file_that_is_not_hdf5_is_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "s.h5"
