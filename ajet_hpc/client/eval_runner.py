@@ -74,8 +74,14 @@ class EvalGroupTask(GroupTask):
         offline eval, ``ajet-hpc eval``, has no rounds to report to)."""
         log.info("eval round of %s at step %d: running its share", self.group.name, step)
         self.episode_meta = {EVAL_STEP: step}
+        self.halted.clear()
         shard = assigned_tasks(self.group, self.index, base_dir=self.rundir.root.parent)
         self.run_tasks(Task(id=round_task_id(step, task.id), data=task.data) for task in shard)
+        if self.halted.is_set():
+            log.warning(
+                "eval round of %s at step %d closed before this task ran its share", self.group.name, step
+            )
+            return
         if self.finished.is_set() or self.stopping.is_set() or not report:
             return
         ended = sum(1 for key in self.store.committed() if _step_of(key[0]) == step)
@@ -92,6 +98,14 @@ class EvalGroupTask(GroupTask):
             ended,
             "" if accepted else " (the round had closed already)",
         )
+
+    def _attempt(self, task: Task, repeat: int) -> None:
+        try:
+            super()._attempt(task, repeat)
+        except EpisodeRejected as exc:
+            if exc.code == "eval_round_closed":  # timed out at the server: the rest of the share is moot
+                self.halted.set()
+            raise
 
 
 def _step_of(task_id: str) -> int | None:

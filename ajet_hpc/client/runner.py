@@ -122,6 +122,7 @@ class GroupTask:
         self.ended: dict[str, dict[tuple[str, int], dict]] = {}  # server -> keys it ended, with results
         self.ends = 0  # episodes ended at every server (the test hook counts them)
         self.episode_meta: dict[str, object] = {}  # sent with every begin (an eval round's step)
+        self.halted = threading.Event()  # the tasks being run are over (an eval round closed): run no more
         store_path = run.client_store(group.name, index)
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = ClientStore.open(store_path, group=group.name, index=index)
@@ -199,12 +200,12 @@ class GroupTask:
                         self.stop_on_store_failure(exc)
                         break
                     slots.acquire()
-                    if self.finished.is_set():
+                    if self.finished.is_set() or self.halted.is_set():
                         slots.release()
                         break
                     future = pool.submit(self.episode, task, repeat)
                     future.add_done_callback(lambda _: slots.release())
-                if self.finished.is_set():
+                if self.finished.is_set() or self.halted.is_set():
                     break
         return self.tally
 
@@ -213,7 +214,7 @@ class GroupTask:
         (unless the servers ended it meanwhile: then their recorded result is committed)."""
         rejected = server_errors = 0
         retry = False
-        while not self.finished.is_set():
+        while not (self.finished.is_set() or self.halted.is_set()):
             try:
                 if retry:
                     self.refresh_ended()

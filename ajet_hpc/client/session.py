@@ -57,6 +57,8 @@ class TrainingFinished(RuntimeError):
 class EpisodeRejected(RuntimeError):
     """The server refused an end or abort (e.g. the episode was dropped after a timeout), saying why."""
 
+    code: str | None = None  # the error's code in the server's answer (e.g. ``eval_round_closed``)
+
 
 class EndRefused(RuntimeError):
     """The server refused an end as invalid (HTTP 400, e.g. a reward that is not finite or beyond its
@@ -92,7 +94,9 @@ class EpisodeAPI:
         if reply.status_code == 409 and "episode_key_ended" in reply.text:
             raise KeyEnded(reply.json()["error"]["message"])
         if reply.status_code in (404, 409):
-            raise EpisodeRejected(reply.json().get("error", {}).get("message", reply.text))
+            rejected = EpisodeRejected(_error_message(reply))
+            rejected.code = _error_code(reply)
+            raise rejected
         if reply.status_code >= 500:
             error = ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
             error.code = _error_code(reply)

@@ -28,8 +28,9 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     tasks: TaskSource = Field(
-        description="Held-out task source ('builtin:<name>', a '.jsonl' path or 'module.path:callable'); "
-        "its tasks are never trained."
+        description="Held-out task source ('builtin:<name>', 'reasoning_gym:<dataset>', a '.jsonl' path or "
+        "'module.path:callable'), finite or cut by max_tasks: every round runs all of it; its tasks are "
+        "never trained."
     )
     every_steps: int = Field(default=5, ge=1, description="An eval round after every this many steps.")
     at_start: bool = Field(
