@@ -24,11 +24,12 @@ trusted (the trainer names a checkpoint in ``trainer_state.json`` only once ever
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -89,22 +90,57 @@ def on_signal(hook: Callable[[float], None]) -> Callable[[], None]:
     return lambda: _hooks.remove(hook) if hook in _hooks else None
 
 
+DEFERRED_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+"""Signals that end the job; one that arrives while the save runs is handled once it is over."""
+
+
 def checkpoint(reason: str, budget_s: float) -> bool:
     """Run the hooks, once per process; returns False (and saves nothing) when a save already started.
 
-    Errors are logged, not raised: the stop and the requeue must still happen."""
+    While the hooks run, USR2 and SIGTERM are held back (`_signals_held`): their handlers run once the save
+    is over. Otherwise one arriving mid-save runs nested in it, on the same thread: submitit's USR2 handler
+    requeues and raises ``SystemExit``, which would cut the save short (seen on the dev cluster when the
+    deadline's save met Slurm's preemption signal). Errors are logged, not raised: the stop and the
+    requeue must still happen."""
     global _saved
     if _saved:
         log.info("%s: the checkpoint was already taken (or is being taken); not again", reason)
         return False
     _saved = True
     log.info("%s: checkpointing (at most %.0f s)", reason, budget_s)
-    for hook in list(_hooks):
-        try:
-            hook(budget_s)
-        except Exception:
-            log.exception("checkpoint on %s: %s failed", reason, getattr(hook, "__name__", hook))
+    with _signals_held():
+        for hook in list(_hooks):
+            try:
+                hook(budget_s)
+            except Exception:
+                log.exception("checkpoint on %s: %s failed", reason, getattr(hook, "__name__", hook))
     return True
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Record USR2 and SIGTERM instead of handling them while inside; afterwards put their handlers back
+    and call them for each one that came, in order. Outside the main thread (where handlers cannot be
+    changed) nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in DEFERRED_SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(arrived):
+            handler = previous[signal.Signals(signum)]
+            log.info("%s came during the save: handled now", signal.Signals(signum).name)
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def on_user_signal() -> None:

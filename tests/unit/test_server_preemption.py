@@ -197,3 +197,30 @@ def test_a_deadline_after_a_cancel_neither_saves_again_nor_requeues(fresh, monke
         signal.signal(signal.SIGTERM, previous)
         unregister()
     assert saves == [20.0] and fresh == []
+
+
+def test_a_signal_that_comes_during_the_save_is_handled_after_it(fresh) -> None:
+    """Slurm's USR2 arriving while the deadline's save runs used to run nested in it: submitit's handler
+    requeued and raised SystemExit through the save, which was cut short (CI, the dev cluster's
+    preemption test). The save holds USR2 and SIGTERM back and hands them over once it is over."""
+    events: list[str] = []
+
+    def handler(signum: int, frame) -> None:
+        events.append(f"handler {signal.Signals(signum).name}")
+        raise SystemExit(-1)  # as submitit's checkpoint_and_try_requeue does
+
+    def slow_save(budget_s: float) -> None:
+        signal.raise_signal(signal.SIGUSR2)  # Slurm's signal, mid-save
+        time.sleep(0.05)
+        events.append("save done")
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    unregister = preemption.on_signal(slow_save)
+    try:
+        with pytest.raises(SystemExit):
+            preemption.checkpoint("deadline", 10.0)
+        assert events == ["save done", "handler SIGUSR2"]
+        assert signal.getsignal(signal.SIGUSR2) is handler  # put back
+    finally:
+        unregister()
+        signal.signal(signal.SIGUSR2, previous)
