@@ -3,6 +3,7 @@ once, reward with math-verify (``rewards.math_answer``), whatever form the answe
 
 from __future__ import annotations
 
+from ajet_hpc.agents.single_call import ask
 from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.rewards.math_answer import math_reward
 
@@ -12,11 +13,5 @@ MAX_TOKENS = 32
 
 def solve(ctx: EpisodeContext) -> Outcome:
     data = ctx.task.data
-    reply = ctx.model.client().chat.completions.create(
-        model=ctx.model.name,
-        messages=[{"role": "user", "content": f"{data['question']}\n{INSTRUCTION}"}],
-        max_tokens=MAX_TOKENS,
-        temperature=1.0,
-    )
-    answer = reply.choices[0].message.content or ""
+    answer = ask(ctx, INSTRUCTION, MAX_TOKENS)
     return Outcome(reward=math_reward(answer, str(data["answer"])), metadata={"answer": answer})

@@ -6,8 +6,9 @@ the episode's metadata names the dataset and keeps the answer that was scored.
 
 from __future__ import annotations
 
-from ajet_hpc.builtin_tasks.reasoning_gym_source import score
+from ajet_hpc.agents.single_call import ask
 from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.client.reasoning_gym_source import score
 
 INSTRUCTION = "Answer with the final answer only, after 'Answer:'."
 MAX_TOKENS = 32
@@ -20,11 +21,5 @@ def final_answer(reply: str) -> str:
 
 def solve(ctx: EpisodeContext) -> Outcome:
     data = ctx.task.data
-    reply = ctx.model.client().chat.completions.create(
-        model=ctx.model.name,
-        messages=[{"role": "user", "content": f"{data['question']}\n{INSTRUCTION}"}],
-        max_tokens=MAX_TOKENS,
-        temperature=1.0,
-    )
-    answer = final_answer(reply.choices[0].message.content or "")
+    answer = final_answer(ask(ctx, INSTRUCTION, MAX_TOKENS))
     return Outcome(reward=score(data, answer), metadata={"dataset": data["dataset"], "answer": answer})

@@ -1,4 +1,4 @@
-"""Task sources: ``builtin:<name>``, ``reasoning_gym:<dataset>`` (``builtin_tasks/reasoning_gym_source.py``),
+"""Task sources: ``builtin:<name>``, ``reasoning_gym:<dataset>`` (``client/reasoning_gym_source.py``),
 a JSONL file, or ``module:callable``; sharded over array tasks and repeated for ``epochs`` passes.
 
 Pass ``e > 0`` over a source renames each task ``<id>@<e>``: a (client group, task id, repeat) key then
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ajet_hpc.builtin_tasks import reasoning_gym_source
+from ajet_hpc.client import reasoning_gym_source
 from ajet_hpc.client.api import Task
 from ajet_hpc.config.fields import REASONING_GYM_PREFIX
 
