@@ -39,3 +39,14 @@ def probe_version(ctx: EpisodeContext) -> Outcome:
 def arithmetic_swapped(ctx: EpisodeContext) -> float:
     """The built-in arithmetic agent under another name: a hot-swap test tells its episodes apart."""
     return arithmetic.solve(ctx)
+
+
+def sandbox_attack(ctx: EpisodeContext) -> Outcome:
+    """The code agent (``agents.code``) with the model's reply replaced by the task's hostile code. A fake
+    by necessity: a random model never writes a fork bomb. The call to the model is real and recorded;
+    the sandbox, the hidden tests and the reward are the agent's own."""
+    from ajet_hpc.agents import code
+    from ajet_hpc.agents.single_call import ask
+
+    ask(ctx, "", 4)
+    return code.check(ctx.task.data["attack"], ctx.task.data)

@@ -3,13 +3,15 @@ client runtime (``env:``), a short training run on the local backend, rewards fr
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from support import REPO, run_module
+import yaml
+from support import REPO, run_module, write_topology
 
 from ajet_hpc.config import load_topology
 from ajet_hpc.config.fields import parse_reasoning_gym
@@ -118,3 +120,89 @@ name, config = json.load(sys.stdin)
 dataset = reasoning_gym.create_dataset(name, **config)
 print(json.dumps([dataset[i]["answer"] for i in range(len(dataset))]))
 """
+
+
+ATTACKS = {  # task id -> (hostile code, what must stop it)
+    "read-secret": ("print(open({secret!r}).read())", "exit 1: FileNotFoundError"),
+    "socket": ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)", "exit 1: "),
+    "fork-bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "wall_time"),
+    "allocate-10g": ("blob = bytearray(10 * 1024**3)", "memory: MemoryError"),
+    "loop": ("while True:\n    pass", "cpu_time"),
+}  # fmt: skip
+
+
+def test_code_tasks_train_through_the_sandbox_which_stops_hostile_code(tmp_path: Path) -> None:
+    """configs/code.yaml for 3 steps (builtin:code, rewards from the hidden tests run in the sandbox), with
+    a second group whose episodes run hostile code in place of the model's reply (tests.fixture_agents):
+    reading the run's secret, opening a socket to a listener of this test, a fork bomb, 10 GB, an endless
+    loop. Each is stopped by its limit and earns 0 with the reason in its metadata, the client task goes
+    on committing episodes, and no process of the sandbox outlives the run."""
+    import socket
+
+    from ajet_hpc.agents.code import LIMITS, check
+    from ajet_hpc.sandbox import isolation_in_use
+
+    assert isolation_in_use() == "bwrap"  # CI installs bubblewrap: the fallback would hide a broken sandbox
+    run = tmp_path / "code"
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    attacks = tmp_path / "attacks.jsonl"
+    with attacks.open("w") as f:
+        for task_id, (code, _) in ATTACKS.items():
+            code = code.format(secret=str(run / "secret"), port=port)
+            data = {"question": "Write f(x).", "function": "f", "tests": [[[1], 1]], "attack": code}
+            f.write(json.dumps({"id": task_id, "data": data}) + "\n")
+    topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
+    topology["run"]["dir"] = str(run)
+    topology["servers"][0]["trainer"]["total_steps"] = 3
+    topology["clients"].append(
+        {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
+        | {"tasks": str(attacks), "repeats": 1}
+    )
+    config = write_topology(tmp_path, topology)
+    done = run_module("ajet_hpc.launch", str(config), timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        finished = [s for s in reader.summaries() if s["state"] == "finished"]
+    hostile = {s["task_id"]: s for s in finished if s["group"] == "attacks"}
+    assert set(hostile) == set(ATTACKS)
+    for task_id, (_, stopped_by) in ATTACKS.items():
+        meta = hostile[task_id]["metadata"]
+        assert meta["sandbox"].startswith(stopped_by) and hostile[task_id]["reward"] == 0.0, (task_id, meta)
+        assert meta["isolation"] == "bwrap" and meta["sandbox_s"] < LIMITS.wall_s + 30
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing reached the test's listener
+    last_attack = max(s["ended_at"] for s in hostile.values())
+    code_episodes = [s for s in finished if s["group"] == "code"]
+    assert any(s["ended_at"] > last_attack for s in code_episodes)  # the client task kept going
+    sample = code_episodes[:40]
+    rescored = [check(s["metadata"]["code"], task_data(s["task_id"])).reward for s in sample]
+    assert rescored == [s["reward"] for s in sample]  # the reward is the hidden tests' verdict
+    assert all(s["metadata"]["sandbox"] for s in code_episodes)
+    assert not sandbox_processes()
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    assert "unexpected error on" not in server_log and "Traceback" not in server_log
+
+
+def task_data(task_id: str) -> dict:
+    from ajet_hpc.builtin_tasks.code import tasks
+
+    index = int(task_id.rsplit("-", 1)[1])
+    return next(itertools.islice(tasks(), index, None)).data
+
+
+def sandbox_processes() -> list[str]:
+    """Processes of the sandbox's own user ids still alive."""
+    from ajet_hpc.sandbox.runner import UID_BASE
+
+    alive = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if uid >= UID_BASE:
+            alive.append(status.parent.name)
+    return alive

@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"
 
 LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_hpc
-    {"logging_setup", "process_tree", "fault_injection", "config", "slurm", "tracking"},
+    {"logging_setup", "process_tree", "fault_injection", "config", "slurm", "tracking", "sandbox"},
     {"engine", "algo"},
     {"storage"},
     {"trainer"},
