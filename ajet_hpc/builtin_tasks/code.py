@@ -32,14 +32,38 @@ def _words(rng: random.Random) -> list[Any]:
     return ["".join(rng.choice("abcab xyz") for _ in range(rng.randint(0, 8)))]
 
 
-FAMILIES: list[Family] = [
+FAMILIES: list[Family] = [  # name, parameters, what it does, reference(k), drawn arguments
     ("add_k", "x", "returns x plus {k}", lambda k: lambda x: x + k, _ints),
-    ("scale", "xs", "returns the list xs with every element multiplied by {k}", lambda k: lambda xs: [v * k for v in xs], _lists),
-    ("is_multiple", "n", "returns True when n is a multiple of {k}, else False", lambda k: lambda n: n % k == 0, _ints),
+    (
+        "scale",
+        "xs",
+        "returns the list xs with every element multiplied by {k}",
+        lambda k: lambda xs: [v * k for v in xs],
+        _lists,
+    ),
+    (
+        "is_multiple",
+        "n",
+        "returns True when n is a multiple of {k}, else False",
+        lambda k: lambda n: n % k == 0,
+        _ints,
+    ),
     ("clip", "x", "returns x limited to the range -{k}..{k}", lambda k: lambda x: max(-k, min(k, x)), _ints),
-    ("count_a", "s", "returns how many times the letter 'a' occurs in s, plus {k}", lambda k: lambda s: s.count("a") + k, _words),
-    ("sum_above", "xs", "returns the sum of the elements of xs greater than {k}", lambda k: lambda xs: sum(v for v in xs if v > k), _lists),
-]  # fmt: skip
+    (
+        "count_a",
+        "s",
+        "returns how many times the letter 'a' occurs in s, plus {k}",
+        lambda k: lambda s: s.count("a") + k,
+        _words,
+    ),
+    (
+        "sum_above",
+        "xs",
+        "returns the sum of the elements of xs greater than {k}",
+        lambda k: lambda xs: sum(v for v in xs if v > k),
+        _lists,
+    ),
+]
 
 
 def tasks(seed: int = 0) -> Iterator[Task]:

@@ -23,7 +23,7 @@ class Limits:
     file_mb: int = 8
     processes: int = 16
     scratch_mb: int = 64
-    output_chars: int = 4096  # of stdout and of stderr, kept in the result
+    output_chars: int = 4096  # kept in the result: the first of stdout, the last of stderr
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "cpu_s", "memory_mb", "file_mb", "processes", "scratch_mb", "output_chars"):

@@ -16,11 +16,14 @@ One run is one ``prlimit ... -- bwrap ... python -I -S -B /code/main.py``:
 Where bubblewrap is missing or cannot make namespaces (some clusters forbid unprivileged user namespaces),
 the run falls back to the rlimits alone, as another user id when running as root, with a loud warning once
 per process: then the code can read what that user can read and reach the network. ``AJET_SANDBOX=bwrap``
-refuses the fallback (``SandboxUnavailable``), ``AJET_SANDBOX=rlimits`` asks for it.
+refuses the fallback (``SandboxUnavailable``), ``AJET_SANDBOX=rlimits`` asks for it. In the fallback as
+root, the sandbox's user id must reach the interpreter: point ``AJET_SANDBOX_PYTHON`` at one outside a
+private home (e.g. ``/usr/bin/python3``) when the client's is under ``/root``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -38,6 +41,8 @@ from ajet_hpc.sandbox.limits import MIB, Limits, Result
 log = logging.getLogger(__name__)
 
 ENV_VAR = "AJET_SANDBOX"
+REASON_CHARS = 2048  # of stderr's end, read for the last line that goes into the reason
+PYTHON_VAR = "AJET_SANDBOX_PYTHON"  # the interpreter model code runs with (default: the client's base one)
 UID_BASE = 0x7A_0000  # sandbox user ids when running as root: far above any site's real users
 _uid_counter = itertools.count()
 _probe_lock = threading.Lock()
@@ -136,8 +141,9 @@ def _run(code: str, limits: Limits, stdin: str, tmp: Path, isolation: str) -> Re
         process.wait()
     wall = time.monotonic() - started
     stdout = _head(tmp / "stdout", limits.output_chars)
-    stderr = _head(tmp / "stderr", limits.output_chars)
+    stderr = _tail(tmp / "stderr", max(limits.output_chars, REASON_CHARS))
     reason = "wall_time" if timed_out else _reason(process.returncode, stderr, isolation)
+    stderr = stderr[-limits.output_chars :]
     return Result(reason, stdout, stderr, process.returncode, wall, isolation)
 
 
@@ -177,18 +183,22 @@ def _bwrap_command(limits: Limits, tmp: Path, uid: int | None) -> list[str]:
     command += ["--proc", "/proc", "--dev", "/dev"]
     command += ["--size", str(limits.scratch_mb * MIB), "--perms", "1777", "--tmpfs", "/work"]
     command += ["--dir", "/work/tmp", "--chmod", "1777", "/work/tmp", "--symlink", "/work/tmp", "/tmp"]
-    return command + ["--ro-bind", str(tmp / "code"), "/code", "--chdir", "/work"]
+    return [*command, "--ro-bind", str(tmp / "code"), "/code", "--chdir", "/work"]
 
 
 def _interpreter() -> str:
-    """The base interpreter (not a venv's), whose standard library is all the code may import."""
-    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    """``AJET_SANDBOX_PYTHON``, else the base interpreter (not a venv's): its installed packages are all
+    the code may import."""
+    chosen = os.environ.get(PYTHON_VAR) or getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(chosen)
 
 
 def _interpreter_dirs() -> list[str]:
     """The interpreter's installation where it lies outside the system dirs (pyenv, conda, a module)."""
-    dirs = []
-    for path in (os.path.realpath(sys.base_prefix), os.path.dirname(_interpreter())):
+    python = _interpreter()
+    prefix = os.path.dirname(os.path.dirname(python)) if os.environ.get(PYTHON_VAR) else sys.base_prefix
+    dirs: list[str] = []
+    for path in (os.path.realpath(prefix), os.path.dirname(python)):
         if not any(path == d or path.startswith(d + "/") for d in (*_SYSTEM_DIRS, *dirs)):
             dirs.append(path)
     return dirs
@@ -218,15 +228,19 @@ def _tasks_of(uid: int) -> int:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _head(path: Path, chars: int) -> str:
     with open(path, "rb") as f:
         return f.read(chars * 4).decode("utf-8", errors="replace")[:chars]
+
+
+def _tail(path: Path, chars: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - chars * 4))
+        return f.read().decode("utf-8", errors="replace")[-chars:]
 
 
 def _reason(returncode: int, stderr: str, isolation: str) -> str | None:
@@ -242,7 +256,7 @@ def _reason(returncode: int, stderr: str, isolation: str) -> str | None:
         reason = "memory"
     elif "Resource temporarily unavailable" in last or last.startswith("BlockingIOError"):
         reason = "processes"
-    elif 0 < signum < 64 and returncode > 128 or returncode < 0:
+    elif (0 < signum < 64 and returncode > 128) or returncode < 0:
         reason = f"signal {signal.Signals(signum).name}" if signum in signal.valid_signals() else "signal"
     else:
         reason = f"exit {returncode}"

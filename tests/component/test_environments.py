@@ -122,12 +122,13 @@ print(json.dumps([dataset[i]["answer"] for i in range(len(dataset))]))
 """
 
 
-ATTACKS = {  # task id -> (hostile code, what must stop it)
-    "read-secret": ("print(open({secret!r}).read())", "exit 1: FileNotFoundError"),
-    "socket": ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)", "exit 1: "),
-    "fork-bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "wall_time"),
-    "allocate-10g": ("blob = bytearray(10 * 1024**3)", "memory: MemoryError"),
-    "loop": ("while True:\n    pass", "cpu_time"),
+ATTACKS = {  # task id -> (hostile code, what may stop it: CPU or wall time, whichever comes first under load)
+    "read-secret": ("print(open({secret!r}).read())", ("exit 1: FileNotFoundError",)),
+    "socket": ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)", ("exit 1: ",)),
+    "fork-bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                  ("wall_time", "cpu_time")),
+    "allocate-10g": ("blob = bytearray(10 * 1024**3)", ("memory: MemoryError",)),
+    "loop": ("while True:\n    pass", ("cpu_time", "wall_time")),
 }  # fmt: skip
 
 
@@ -152,7 +153,7 @@ def test_code_tasks_train_through_the_sandbox_which_stops_hostile_code(tmp_path:
         for task_id, (code, _) in ATTACKS.items():
             code = code.format(secret=str(run / "secret"), port=port)
             data = {"question": "Write f(x).", "function": "f", "tests": [[[1], 1]], "attack": code}
-            f.write(json.dumps({"id": task_id, "data": data}) + "\n")
+            f.write(json.dumps({"id": task_id, **data}) + "\n")
     topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
     topology["run"]["dir"] = str(run)
     topology["servers"][0]["trainer"]["total_steps"] = 3
@@ -200,7 +201,8 @@ def sandbox_processes() -> list[str]:
     alive = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
+            uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            uid = int(uid_line.split()[1])
         except (OSError, StopIteration):
             continue
         if uid >= UID_BASE:
