@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TOOLS = [
+TOOLS = [  # the add tool of the built-in MCP server (agents.calculator_mcp), as agents.mcp_tools offers it
     {
         "type": "function",
         "function": {
@@ -20,6 +20,7 @@ TOOLS = [
             "parameters": {
                 "type": "object",
                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
             },
         },
     }

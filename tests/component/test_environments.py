@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scripted_model import TOOLS
 from support import REPO, run_module, write_topology
 
 from ajet_hpc.config import load_topology
@@ -208,3 +209,43 @@ def sandbox_processes() -> list[str]:
         if uid >= UID_BASE:
             alive.append(status.parent.name)
     return alive
+
+
+def test_tools_over_mcp_train_through_the_built_in_mcp_server(
+    tmp_path: Path, scripted_qwen_model: Path
+) -> None:
+    """configs/mcp_tools.yaml for 3 steps in the runtime envs/mcp.txt, on tiny-qwen taught to call the
+    built-in MCP server's ``add`` (tests/scripted_model.py): the agent offers the tool as MCP lists it, the
+    server parses the model's real <tool_call>, the client executes it over MCP (stdio, a server started
+    beside the task) and feeds the result back; the reward checks the final answer against the task's."""
+    run = tmp_path / "mcp"
+    tasks = tmp_path / "script.jsonl"
+    question = {"question": "What is 2+3? Use the tool.", "tools": ["add"], "answer": 5}
+    tasks.write_text("".join(json.dumps({"id": f"sum-{k}", **question}) + "\n" for k in range(6)))
+    topology = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())
+    topology["run"]["dir"] = str(run)
+    topology["servers"][0] |= {"model": str(scripted_qwen_model)}
+    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 2, "lr": 1e-6}
+    topology["clients"][0] |= {"tasks": str(tasks), "env": str(REPO / "envs" / "mcp.txt"), "epochs": 4}
+    done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, topology)), timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        finished = [s for s in reader.summaries() if s["state"] == "finished"]
+        called = [s for s in finished if s["metadata"]["tool_calls"]]
+        assert len(called) >= len(finished) // 2, [s["metadata"] for s in finished]
+        for summary in called:
+            first = summary["metadata"]["tool_calls"][0]
+            assert first["tool"] == "add" and json.loads(first["arguments"]) == {"a": 2, "b": 3}
+            assert first["result"] == "5"  # computed by the MCP server
+            timelines = reader.episode(summary["episode_id"]).timelines
+            sent = [m for t in timelines for m in t.messages if m.get("role") == "tool"]
+            assert sent and sent[0]["content"] == "5"  # the tool's result went back to the model
+            assert timelines[0].tools == [TOOLS[0]]  # the tool as MCP lists it, titles dropped
+    assert all(
+        s["reward"] == (5 in map(int, re.findall(r"-?\d+", s["metadata"]["answer"]))) for s in finished
+    )
+    assert any(s["reward"] == 1.0 for s in called)
+    assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    assert "unexpected error on" not in server_log and "Traceback" not in server_log
