@@ -1,6 +1,6 @@
-"""``builtin:tools``: questions answered with the tools of the built-in MCP server (``agents.calculator_mcp``):
-a sum, a product or a stored value. Each task names the tools its agent offers (``data["tools"]``) and
-the answer (``data["answer"]``); 300 tasks in a stable order."""
+"""``builtin:tools``: questions answered with the tools of the built-in MCP server
+(``agents.calculator_mcp``): a sum, a product or a stored value. Each task names the tools its agent
+offers (``data["tools"]``) and the answer (``data["answer"]``); 300 tasks in a stable order."""
 
 from __future__ import annotations
 

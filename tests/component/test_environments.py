@@ -226,7 +226,7 @@ def test_tools_over_mcp_train_through_the_built_in_mcp_server(
     topology["run"]["dir"] = str(run)
     topology["servers"][0] |= {"model": str(scripted_qwen_model)}
     topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 2, "lr": 1e-6}
-    topology["clients"][0] |= {"tasks": str(tasks), "env": str(REPO / "envs" / "mcp.txt"), "epochs": 4}
+    topology["clients"][0] |= {"tasks": str(tasks), "epochs": 4}
     done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, topology)), timeout_s=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
