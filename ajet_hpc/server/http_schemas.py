@@ -1,8 +1,8 @@
 """Wire schemas of the server: OpenAI's chat/completions (in OpenAI's field order) and the episode API.
 
-Our own schemas, nothing imported from vLLM. Fields OpenAI defines but this server ignores are accepted
-(and listed as such) so that stock clients work; unknown fields are accepted too, as OpenAI does.
-Extensions beyond OpenAI are marked "(ajet extension)".
+Our own schemas, nothing imported from vLLM. They parse leniently (extra fields are kept); which fields
+a call may carry, and the 400 naming any other, is ``request_policy``'s. Extensions beyond OpenAI are
+marked "(ajet extension)".
 """
 
 from __future__ import annotations
@@ -136,13 +136,13 @@ class StreamOptions(_Lenient):
 class ChatCompletionRequest(_Lenient):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
-    frequency_penalty: float | None = None  # accepted, ignored
+    frequency_penalty: float | None = None  # 0 only (request_policy)
     logprobs: bool = False
-    top_logprobs: int | None = None  # accepted, ignored (the sampled token's logprob is returned)
+    top_logprobs: int | None = None  # 0 only: the sampled token's logprob is returned (request_policy)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1)
-    presence_penalty: float | None = None  # accepted, ignored
+    presence_penalty: float | None = None  # 0 only (request_policy)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -150,7 +150,7 @@ class ChatCompletionRequest(_Lenient):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     tools: list[Tool] | None = None
-    tool_choice: Any = None  # "auto" is what the model does; other values are accepted, not enforced
+    tool_choice: Any = None  # "auto" only: the model decides (request_policy)
     user: str | None = None
 
     def stop_list(self) -> list[str]:

@@ -19,6 +19,8 @@ from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable
 from ajet_hpc.server.eval_routes import eval_begin, with_sampling
 from ajet_hpc.server.gate import AUTHORIZATION
+from ajet_hpc.server.request_policy import check_chat_fields
+from ajet_hpc.server.responses_api import ResponsesRequest, stream_events, to_chat, to_response
 
 router = APIRouter()
 
@@ -185,6 +187,7 @@ def _end_call(episode: Episode) -> None:
 
 async def _chat(request: Request, body: p.ChatCompletionRequest, episode_id: str | None):
     ctx, episode = _episode(request, episode_id)
+    check_chat_fields(body)
     body = with_sampling(body, episode)
     _begin_call(episode)
     if not body.stream:
@@ -232,6 +235,30 @@ async def chat(request: Request, body: p.ChatCompletionRequest):
 @router.post("/episodes/{episode_id}/v1/chat/completions")
 async def episode_chat(request: Request, episode_id: str, body: p.ChatCompletionRequest):
     return await _chat(request, body, episode_id)
+
+
+async def _responses(request: Request, body: ResponsesRequest, episode_id: str | None):
+    ctx, episode = _episode(request, episode_id)
+    chat_request = with_sampling(to_chat(body), episode)
+    _begin_call(episode)
+    try:
+        answer = await ctx.service.chat(chat_request, episode)
+    finally:
+        _end_call(episode)
+    response = to_response(body, answer)
+    if body.stream:
+        return StreamingResponse(iter(list(stream_events(response))), media_type="text/event-stream")
+    return JSONResponse(response)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request, body: ResponsesRequest):
+    return await _responses(request, body, None)
+
+
+@router.post("/episodes/{episode_id}/v1/responses")
+async def episode_responses(request: Request, episode_id: str, body: ResponsesRequest):
+    return await _responses(request, body, episode_id)
 
 
 @router.post("/v1/completions")
