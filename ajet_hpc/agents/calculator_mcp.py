@@ -1,6 +1,7 @@
-"""The built-in example MCP server (stdio): a calculator and a key-value lookup, for ``agents.mcp_tools``.
+"""The built-in example MCP server (stdio): the calculator's tools (``agents.calculator``) over MCP, for
+``agents.mcp_tools``.
 
-python -m ajet_hpc.agents.calculator_mcp     # speaks MCP on stdin/stdout
+    python -m ajet_hpc.agents.calculator_mcp     # speaks MCP on stdin/stdout
 """
 
 from __future__ import annotations
@@ -8,29 +9,20 @@ from __future__ import annotations
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-TABLE = {"alpha": 17, "beta": 42, "gamma": 7, "delta": 123, "omega": 999}
+from ajet_hpc.agents import calculator
 
 server = MCPServer("ajet-calculator", log_level="WARNING")  # its stderr goes to the client task's log
-
-
-@server.tool()
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-@server.tool()
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers."""
-    return a * b
+server.add_tool(calculator.add)
+server.add_tool(calculator.multiply)
 
 
 @server.tool()
 def lookup(key: str) -> int:
     """The number stored under a key."""
-    if key not in TABLE:
-        raise ToolError(f"no key {key!r}; the keys are {sorted(TABLE)}")
-    return TABLE[key]
+    try:
+        return calculator.lookup(key)
+    except ValueError as exc:  # a failure MCP reports to the model as the tool's error text
+        raise ToolError(str(exc)) from None
 
 
 if __name__ == "__main__":

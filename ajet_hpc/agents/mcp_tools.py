@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
-import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -24,9 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ajet_hpc.agents.calculator import SYSTEM, reward
 from ajet_hpc.client.api import EpisodeContext, Outcome
 
-SYSTEM = "You are a calculator agent."
 MAX_TURNS = 4
 MAX_TOKENS = 48
 CONNECT_TIMEOUT_S = 60.0
@@ -227,8 +226,5 @@ def solve(ctx: EpisodeContext) -> Outcome:
     data = ctx.task.data
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": data["question"]}]
     loop = run_tool_loop(ctx, CALCULATOR, messages, CALCULATOR.openai_tools(data.get("tools")))
-    numbers = re.findall(r"-?\d+", loop.answer)
-    reward = 1.0 if str(data["answer"]) in numbers else 0.0
-    return Outcome(
-        reward=reward, metadata={"answer": loop.answer, "tool_calls": loop.calls, "turns": loop.turns}
-    )
+    metadata = {"answer": loop.answer, "tool_calls": loop.calls, "turns": loop.turns}
+    return Outcome(reward=reward(loop.answer, data), metadata=metadata)
