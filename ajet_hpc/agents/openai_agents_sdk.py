@@ -7,7 +7,7 @@ answers and records like chat (``server/responses_api.py``); tracing, which woul
 from __future__ import annotations
 
 from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
-from agents.exceptions import MaxTurnsExceeded
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from agents.models.openai_responses import OpenAIResponsesModel
 from openai import AsyncOpenAI
 
@@ -31,6 +31,6 @@ def solve(ctx: EpisodeContext) -> Outcome:
     )
     try:
         answer = str(Runner.run_sync(agent, ctx.task.data["question"], max_turns=MAX_TURNS).final_output)
-    except MaxTurnsExceeded:
+    except (MaxTurnsExceeded, ModelBehaviorError):  # too many turns, or an answer cut at max_tokens
         answer = ""
     return Outcome(reward=reward(answer, ctx.task.data), metadata={"answer": answer})

@@ -14,6 +14,7 @@ import yaml
 from scripted_model import TOOLS
 from support import REPO, run_module, write_topology
 
+from ajet_hpc.agents import calculator
 from ajet_hpc.config import load_topology
 from ajet_hpc.config.fields import parse_reasoning_gym
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
@@ -249,3 +250,92 @@ def test_tools_over_mcp_train_through_the_built_in_mcp_server(
     assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     assert "unexpected error on" not in server_log and "Traceback" not in server_log
+
+
+FRAMEWORKS = {  # group -> (runtime, framework_shapes name)
+    "openai_agents": ("openai-agents", "openai-agents"),
+    "langgraph": ("langgraph", "langgraph"),
+    "pydantic_ai": ("pydantic-ai", "pydantic-ai"),
+}
+REFUSED = {  # (framework, case) -> the field the server's 400 names; every other case must succeed
+    ("openai-agents", "tool_choice_required"): "tool_choice",
+    ("openai-agents", "structured_output"): "text.format",
+    ("langgraph", "tool_choice_any"): "tool_choice",
+    ("langgraph", "parallel_tool_calls_false"): "parallel_tool_calls",
+    ("langgraph", "structured_output"): "response_format",
+    ("pydantic-ai", "parallel_tool_calls_false"): "parallel_tool_calls",
+    ("pydantic-ai", "structured_output"): "tool_choice",  # its tool output mode asks for tool_choice=required
+}
+
+
+def test_agent_frameworks_train_as_they_are_and_every_request_they_send_is_answered(
+    tmp_path: Path, qwen_hf_harness
+) -> None:
+    """configs/agent_frameworks.yaml for 3 steps: the OpenAI Agents SDK (Responses API), LangGraph over
+    ChatOpenAI (chat completions) and Pydantic AI (Responses API), each in its own runtime, each episode
+    stored with the reward of its final answer. Then, in the same runtimes, tests/framework_shapes.py
+    drives each framework the ways users do and records every request it sends: each is answered 200,
+    or 400 naming a field the request carries (the expected ones above); never a 5xx."""
+    run = tmp_path / "frameworks"
+    config = REPO / "configs" / "agent_frameworks.yaml"
+    done = run_module(
+        "ajet_hpc.launch",
+        str(config),
+        f"run.dir={run}",
+        "servers.policy.trainer.total_steps=3",
+        timeout_s=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = metrics.read_rows(run / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        summaries = reader.summaries()
+    assert {s["group"] for s in summaries} == set(FRAMEWORKS)
+    assert all(s["state"] == "finished" for s in summaries), [
+        s for s in summaries if s["state"] != "finished"
+    ]
+    for s in summaries:
+        assert s["reward"] == calculator.reward(s["metadata"]["answer"], task_of(s["task_id"]))
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    assert "unexpected error on" not in server_log and "Traceback" not in server_log
+
+    server = qwen_hf_harness.serve(max_tokens=64)
+    round_trips = 0
+    for runtime, framework in FRAMEWORKS.values():
+        episode = server.begin(task_id="shapes", group=framework)
+        target = {"base_url": episode["base_url"], "api_key": episode["api_key"], "model": "policy"}
+        (python,) = (run / "envs").glob(f"{runtime}-*/bin/python")
+        shapes = subprocess.run(
+            [str(python), "tests/framework_shapes.py", framework, json.dumps(target)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=600,
+        )
+        assert shapes.returncode == 0, shapes.stderr[-3000:]
+        for case in json.loads(shapes.stdout):
+            refused = REFUSED.get((framework, case["case"]))
+            exchanges = case["exchanges"]
+            assert exchanges and all(ex["status"] < 500 for ex in exchanges), (framework, case)
+            for ex in exchanges:
+                if ex["status"] >= 400:  # the field it names is one the request sent
+                    assert ex["error"]["param"].split(".")[0].split("[")[0] in ex["body"], (framework, ex)
+            statuses = [(ex["status"], (ex["error"] or {}).get("param")) for ex in exchanges]
+            if refused is None:
+                assert case["failure"] is None and {s for s, _ in statuses} == {200}, (framework, case)
+            else:
+                assert statuses[-1] == (400, refused) and refused.split(".")[0] in case["failure"], case
+            for ex in exchanges:
+                items = ex["body"].get("messages") or ex["body"].get("input") or []
+                fed_back = ("tool", "function_call_output")
+                round_trips += any(
+                    isinstance(item, dict) and (item.get("role") in fed_back or item.get("type") in fed_back)
+                    for item in items
+                )
+    assert round_trips, "no framework fed a tool result back to the model"
+
+
+def task_of(task_id: str) -> dict:
+    from ajet_hpc.builtin_tasks.tools import tasks
+
+    return next(itertools.islice(tasks(), int(task_id.rsplit("-", 1)[1]), None)).data
