@@ -9,6 +9,7 @@ them as JSON. ``tests/component/test_environments.py`` checks the answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -89,7 +90,7 @@ def openai_agents_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder]
             base_url=server["base_url"],
             api_key=server["api_key"],
             max_retries=0,
-            http_client=recorder.async_client(),
+            http_client=recorder.async_client(),  # type: ignore[arg-type]  # the runtime's openai takes httpx
         )
         model = OpenAIResponsesModel(model=server["model"], openai_client=client)
         settings = ModelSettings(max_tokens=24, **kwargs.pop("settings", {}))
@@ -103,10 +104,8 @@ def openai_agents_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder]
         )
 
     def run(recorder: Recorder, **kwargs: Any) -> None:
-        try:
+        with contextlib.suppress(MaxTurnsExceeded, ModelBehaviorError):  # the model's doing, not the server's
             Runner.run_sync(agent(recorder, **kwargs), QUESTION, max_turns=2)
-        except (MaxTurnsExceeded, ModelBehaviorError):
-            pass  # the random model's doing, not the server's
 
     def streamed(recorder: Recorder) -> None:
         async def consume() -> None:
@@ -181,7 +180,7 @@ def pydantic_ai_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder], 
             base_url=server["base_url"],
             api_key=server["api_key"],
             max_retries=0,
-            http_client=recorder.async_client(),
+            http_client=recorder.async_client(),  # type: ignore[arg-type]  # the runtime's openai takes httpx
         )
         model = OpenAIResponsesModel(server["model"], provider=OpenAIProvider(openai_client=client))
         return Agent(model, instructions=SYSTEM, tools=[add], **kwargs)
@@ -189,12 +188,10 @@ def pydantic_ai_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder], 
     limits = UsageLimits(request_limit=2)
 
     def run(recorder: Recorder, settings: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        try:
+        with contextlib.suppress(UsageLimitExceeded, UnexpectedModelBehavior):
             agent(recorder, **kwargs).run_sync(
                 QUESTION, model_settings={"max_tokens": 24, **(settings or {})}, usage_limits=limits
             )
-        except (UsageLimitExceeded, UnexpectedModelBehavior):
-            pass
 
     def streamed(recorder: Recorder) -> None:
         async def consume() -> None:
