@@ -6,7 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import socket
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -134,42 +137,86 @@ ATTACKS = {  # task id -> (hostile code, what may stop it: CPU or wall time, whi
 }  # fmt: skip
 
 
-def test_code_tasks_train_through_the_sandbox_which_stops_hostile_code(tmp_path: Path) -> None:
-    """configs/code.yaml for 3 steps (builtin:code, rewards from the hidden tests run in the sandbox), with
-    a second group whose episodes run hostile code in place of the model's reply (tests.fixture_agents):
-    reading the run's secret, opening a socket to a listener of this test, a fork bomb, 10 GB, an endless
-    loop. Each is stopped by its limit and earns 0 with the reason in its metadata, the client task goes
-    on committing episodes, and no process of the sandbox outlives the run."""
-    import socket
+@dataclass
+class SharedRun:
+    """One short training run whose groups several tests examine (one server start for all of them)."""
 
-    from ajet_hpc.agents.code import LIMITS, check
-    from ajet_hpc.sandbox import isolation_in_use
+    dir: Path
+    finished: list[dict]
+    summaries: list[dict]
 
-    assert isolation_in_use() == "bwrap"  # CI installs bubblewrap: the fallback would hide a broken sandbox
-    run = tmp_path / "code"
+    def group(self, name: str) -> list[dict]:
+        return [s for s in self.finished if s["group"] == name]
+
+
+def launch_shared(folder: Path, topology: dict) -> SharedRun:
+    run = folder / "run"
+    topology["run"]["dir"] = str(run)
+    done = run_module("ajet_hpc.launch", str(write_topology(folder, topology)), timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = sorted({row["step"] for row in metrics.read_rows(run / "metrics.jsonl")})
+    assert steps == [1, 2, 3]
+    with EpisodeReader(run / "data" / "policy.h5") as reader:
+        summaries = reader.summaries()
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    assert "unexpected error on" not in server_log and "Traceback" not in server_log  # no 5xx answered
+    return SharedRun(run, [s for s in summaries if s["state"] == "finished"], summaries)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedRun, socket.socket]]:
+    """configs/code.yaml for 3 steps on builtin:tiny with two more groups: ``attacks``, whose episodes run
+    hostile code in place of the model's reply (tests.fixture_agents.sandbox_attack), and ``verifiers``,
+    configs/verifiers.yaml's group (a verifiers environment in its own runtime)."""
+    folder = tmp_path_factory.mktemp("tiny-run")
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
-    attacks = tmp_path / "attacks.jsonl"
+    attacks = folder / "attacks.jsonl"
     with attacks.open("w") as f:
         for task_id, (code, _) in ATTACKS.items():
-            code = code.format(secret=str(run / "secret"), port=port)
+            code = code.format(secret=str(folder / "run" / "secret"), port=port)
             data = {"question": "Write f(x).", "function": "f", "tests": [[[1], 1]], "attack": code}
             f.write(json.dumps({"id": task_id, **data}) + "\n")
     topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
-    topology["run"]["dir"] = str(run)
     topology["servers"][0]["trainer"]["total_steps"] = 3
-    topology["clients"].append(
+    (verifiers_group,) = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]
+    topology["clients"] += [
         {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
-        | {"tasks": str(attacks), "repeats": 1}
+        | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)},
+        verifiers_group,
+    ]
+    yield launch_shared(folder, topology), listener
+    listener.close()
+
+
+def test_code_tasks_train_through_the_sandbox(tiny_run: tuple[SharedRun, socket.socket]) -> None:
+    """builtin:code: every episode's reward is the share of its hidden tests that passed in the sandbox
+    (re-running the stored code gives it again), with the sandbox's verdict in its metadata."""
+    from ajet_hpc.agents.code import check
+
+    run, _ = tiny_run
+    code_episodes = run.group("code")
+    assert code_episodes and all(
+        s["metadata"]["sandbox"] and s["metadata"]["isolation"] == "bwrap" for s in code_episodes
     )
-    config = write_topology(tmp_path, topology)
-    done = run_module("ajet_hpc.launch", str(config), timeout_s=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
-    with EpisodeReader(run / "data" / "policy.h5") as reader:
-        finished = [s for s in reader.summaries() if s["state"] == "finished"]
-    hostile = {s["task_id"]: s for s in finished if s["group"] == "attacks"}
+    sample = code_episodes[:40]
+    rescored = [check(s["metadata"]["code"], task_data(s["task_id"])).reward for s in sample]
+    assert rescored == [s["reward"] for s in sample]
+
+
+def test_the_sandbox_stops_hostile_code_and_the_client_task_goes_on(
+    tiny_run: tuple[SharedRun, socket.socket],
+) -> None:
+    """Reading the run's secret, opening a socket to a listener of this test, a fork bomb, 10 GB, an
+    endless loop: each is stopped by its limit and earns 0 with the reason in its metadata, the client task
+    goes on committing episodes, and no process of the sandbox outlives the run."""
+    from ajet_hpc.agents.code import LIMITS
+    from ajet_hpc.sandbox import isolation_in_use
+
+    assert isolation_in_use() == "bwrap"  # CI installs bubblewrap: the fallback would hide a broken sandbox
+    run, listener = tiny_run
+    hostile = {s["task_id"]: s for s in run.group("attacks")}
     assert set(hostile) == set(ATTACKS)
     for task_id, (_, stopped_by) in ATTACKS.items():
         meta = hostile[task_id]["metadata"]
@@ -178,15 +225,46 @@ def test_code_tasks_train_through_the_sandbox_which_stops_hostile_code(tmp_path:
     with pytest.raises(BlockingIOError):
         listener.accept()  # nothing reached the test's listener
     last_attack = max(s["ended_at"] for s in hostile.values())
-    code_episodes = [s for s in finished if s["group"] == "code"]
-    assert any(s["ended_at"] > last_attack for s in code_episodes)  # the client task kept going
-    sample = code_episodes[:40]
-    rescored = [check(s["metadata"]["code"], task_data(s["task_id"])).reward for s in sample]
-    assert rescored == [s["reward"] for s in sample]  # the reward is the hidden tests' verdict
-    assert all(s["metadata"]["sandbox"] for s in code_episodes)
+    assert any(s["ended_at"] > last_attack for s in run.group("code"))  # the client task kept going
     assert not sandbox_processes()
-    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
-    assert "unexpected error on" not in server_log and "Traceback" not in server_log
+
+
+RESCORE_VERIFIERS = """
+import asyncio, json, sys
+import verifiers.v1 as vf
+from ajet_hpc.agents import verifiers_env
+async def score(taskset, data, answer):
+    env = verifiers_env.load_env(taskset)
+    task = verifiers_env.task_of(env, data)
+    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
+                     agent=vf.AgentInfo(config=vf.AgentConfig()), root_reply=answer)
+    await task.score(trace)
+    return trace.reward
+print(json.dumps([asyncio.run(score(*case)) for case in json.load(sys.stdin)]))
+"""
+
+
+def test_a_verifiers_environment_trains_with_its_own_rewards(
+    tiny_run: tuple[SharedRun, socket.socket],
+) -> None:
+    """configs/verifiers.yaml's group: verifiers drives every episode (its interception server relays the
+    model calls to the episode's endpoint), every one finishes, and its reward is the one verifiers itself
+    gives the stored answer, scored apart from the training (Task.score, the task's own @vf.reward)."""
+    run, _ = tiny_run
+    episodes = [s for s in run.summaries if s["group"] == "verifiers"]
+    assert episodes and all(s["state"] == "finished" or "is finished" in s["reason"] for s in episodes)
+    finished = run.group("verifiers")
+    assert finished and all(s["metadata"]["turns"] >= 1 for s in finished)
+    cases = [[s["metadata"]["taskset"], s["metadata"]["task"], s["metadata"]["answer"]] for s in finished]
+    (python,) = (run.dir / "envs").glob("verifiers-*/bin/python")  # the group's runtime, built at launch
+    rescored = subprocess.run(
+        [str(python), "-c", RESCORE_VERIFIERS],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(rescored.stdout) == pytest.approx([s["reward"] for s in finished])
 
 
 def task_data(task_id: str) -> dict:
@@ -212,46 +290,6 @@ def sandbox_processes() -> list[str]:
     return alive
 
 
-def test_tools_over_mcp_train_through_the_built_in_mcp_server(
-    tmp_path: Path, scripted_qwen_model: Path
-) -> None:
-    """configs/mcp_tools.yaml for 3 steps in the runtime envs/mcp.txt, on tiny-qwen taught to call the
-    built-in MCP server's ``add`` (tests/scripted_model.py): the agent offers the tool as MCP lists it, the
-    server parses the model's real <tool_call>, the client executes it over MCP (stdio, a server started
-    beside the task) and feeds the result back; the reward checks the final answer against the task's."""
-    run = tmp_path / "mcp"
-    tasks = tmp_path / "script.jsonl"
-    question = {"question": "What is 2+3? Use the tool.", "tools": ["add"], "answer": 5}
-    tasks.write_text("".join(json.dumps({"id": f"sum-{k}", **question}) + "\n" for k in range(6)))
-    topology = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())
-    topology["run"]["dir"] = str(run)
-    topology["servers"][0] |= {"model": str(scripted_qwen_model)}
-    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 2, "lr": 1e-6}
-    topology["clients"][0] |= {"tasks": str(tasks), "epochs": 4}
-    done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, topology)), timeout_s=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
-    with EpisodeReader(run / "data" / "policy.h5") as reader:
-        finished = [s for s in reader.summaries() if s["state"] == "finished"]
-        called = [s for s in finished if s["metadata"]["tool_calls"]]
-        assert len(called) >= len(finished) // 2, [s["metadata"] for s in finished]
-        for summary in called:
-            first = summary["metadata"]["tool_calls"][0]
-            assert first["tool"] == "add" and json.loads(first["arguments"]) == {"a": 2, "b": 3}
-            assert first["result"] == "5"  # computed by the MCP server
-            timelines = reader.episode(summary["episode_id"]).timelines
-            sent = [m for t in timelines for m in t.messages if m.get("role") == "tool"]
-            assert sent and sent[0]["content"] == "5"  # the tool's result went back to the model
-            assert timelines[0].tools == [TOOLS[0]]  # the tool as MCP lists it, titles dropped
-    assert all(
-        s["reward"] == (5 in map(int, re.findall(r"-?\d+", s["metadata"]["answer"]))) for s in finished
-    )
-    assert any(s["reward"] == 1.0 for s in called)
-    assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
-    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
-    assert "unexpected error on" not in server_log and "Traceback" not in server_log
-
-
 FRAMEWORKS = {  # group -> (runtime, framework_shapes name)
     "openai_agents": ("openai-agents", "openai-agents"),
     "langgraph": ("langgraph", "langgraph"),
@@ -268,43 +306,67 @@ REFUSED = {  # (framework, case) -> the field the server's 400 names; every othe
 }
 
 
-def test_agent_frameworks_train_as_they_are_and_every_request_they_send_is_answered(
-    tmp_path: Path, qwen_hf_harness
-) -> None:
-    """configs/agent_frameworks.yaml for 3 steps: the OpenAI Agents SDK (Responses API), LangGraph over
-    ChatOpenAI (chat completions) and Pydantic AI (Responses API), each in its own runtime, each episode
-    stored with the reward of its final answer. Then, in the same runtimes, tests/framework_shapes.py
-    drives each framework the ways users do and records every request it sends: each is answered 200,
-    or 400 naming a field the request carries (the expected ones above); never a 5xx."""
-    run = tmp_path / "frameworks"
-    config = REPO / "configs" / "agent_frameworks.yaml"
-    done = run_module(
-        "ajet_hpc.launch",
-        str(config),
-        f"run.dir={run}",
-        "servers.policy.trainer.total_steps=3",
-        timeout_s=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = metrics.read_rows(run / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    with EpisodeReader(run / "data" / "policy.h5") as reader:
-        summaries = reader.summaries()
-    assert {s["group"] for s in summaries} == set(FRAMEWORKS)
-    assert all(s["state"] == "finished" for s in summaries), [
-        s for s in summaries if s["state"] != "finished"
-    ]
-    for s in summaries:
-        assert s["reward"] == calculator.reward(s["metadata"]["answer"], task_of(s["task_id"]))
-    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
-    assert "unexpected error on" not in server_log and "Traceback" not in server_log
+@pytest.fixture(scope="module")
+def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Path) -> SharedRun:
+    """configs/agent_frameworks.yaml (the OpenAI Agents SDK, LangGraph, Pydantic AI, each in its own
+    runtime) plus configs/mcp_tools.yaml's group, for 3 steps on tiny-qwen taught to call the calculator's
+    ``add`` (tests/scripted_model.py); the MCP group's tasks are the script's question."""
+    folder = tmp_path_factory.mktemp("tools-run")
+    script = folder / "script.jsonl"
+    question = {"question": "What is 2+3? Use the tool.", "tools": ["add"], "answer": 5}
+    script.write_text("".join(json.dumps({"id": f"sum-{k}", **question}) + "\n" for k in range(6)))
+    topology = yaml.safe_load((REPO / "configs" / "agent_frameworks.yaml").read_text())
+    topology["servers"][0] |= {"model": str(scripted_qwen_model)}
+    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 4, "lr": 1e-6}
+    (mcp_group,) = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())["clients"]
+    topology["clients"].append(mcp_group | {"tasks": str(script), "epochs": 4})
+    return launch_shared(folder, topology)
 
+
+def test_tools_over_mcp_train_through_the_built_in_mcp_server(tools_run: SharedRun) -> None:
+    """The agent offers the tool as the built-in MCP server lists it, the server parses the model's real
+    <tool_call>, the client executes it over MCP (stdio, a server started beside the task) and feeds the
+    result back; the reward checks the final answer against the task's; the MCP server ends with the run."""
+    finished = tools_run.group("tools")
+    called = [s for s in finished if s["metadata"]["tool_calls"]]
+    assert finished and len(called) >= len(finished) // 2, [s["metadata"] for s in finished]
+    with EpisodeReader(tools_run.dir / "data" / "policy.h5") as reader:
+        for summary in called:
+            first = summary["metadata"]["tool_calls"][0]
+            assert first["tool"] == "add" and json.loads(first["arguments"]) == {"a": 2, "b": 3}
+            assert first["result"] == "5"  # computed by the MCP server
+            timelines = reader.episode(summary["episode_id"]).timelines
+            sent = [m for t in timelines for m in t.messages if m.get("role") == "tool"]
+            assert sent and sent[0]["content"] == "5"  # the tool's result went back to the model
+            assert timelines[0].tools == [TOOLS[0]]  # the tool as MCP lists it, titles dropped
+    for s in finished:
+        assert s["reward"] == (5 in map(int, re.findall(r"-?\d+", s["metadata"]["answer"])))
+    assert any(s["reward"] == 1.0 for s in called)
+    assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
+
+
+def test_agent_frameworks_train_as_they_are(tools_run: SharedRun) -> None:
+    """The OpenAI Agents SDK (Responses API), LangGraph over ChatOpenAI (chat completions) and Pydantic AI
+    (Responses API): every episode of each is stored, with the reward of its final answer."""
+    episodes = [s for s in tools_run.summaries if s["group"] in FRAMEWORKS]
+    assert {s["group"] for s in episodes} == set(FRAMEWORKS)
+    unfinished = [s for s in episodes if s["state"] != "finished" and "is finished" not in s["reason"]]
+    assert not unfinished  # only the run's end may abort an episode
+    for s in tools_run.finished:
+        if s["group"] in FRAMEWORKS:
+            assert s["reward"] == calculator.reward(s["metadata"]["answer"], task_of(s["task_id"]))
+
+
+def test_every_request_the_frameworks_send_is_answered(tools_run: SharedRun, qwen_hf_harness) -> None:
+    """In the run's runtimes, tests/framework_shapes.py drives each framework the ways users do and records
+    every request it sends: each is answered 200, or 400 naming a field the request carries (the expected
+    ones in REFUSED); never a 5xx. At least one tool result goes back to the model through them."""
     server = qwen_hf_harness.serve(max_tokens=64)
     round_trips = 0
     for runtime, framework in FRAMEWORKS.values():
         episode = server.begin(task_id="shapes", group=framework)
         target = {"base_url": episode["base_url"], "api_key": episode["api_key"], "model": "policy"}
-        (python,) = (run / "envs").glob(f"{runtime}-*/bin/python")
+        (python,) = (tools_run.dir / "envs").glob(f"{runtime}-*/bin/python")
         shapes = subprocess.run(
             [str(python), "tests/framework_shapes.py", framework, json.dumps(target)],
             capture_output=True,
@@ -339,3 +401,61 @@ def task_of(task_id: str) -> dict:
     from ajet_hpc.builtin_tasks.tools import tasks
 
     return next(itertools.islice(tasks(), int(task_id.rsplit("-", 1)[1]), None)).data
+
+
+def test_textarena_two_adapters_play_each_other_and_the_frozen_base_and_both_train(tmp_path: Path) -> None:
+    """configs/textarena.yaml for 3 steps per adapter in the runtime envs/textarena.txt: player_a and
+    player_b (LoRA adapters of one frozen base) play TextArena's Iterated Prisoner's Dilemma against each
+    other, and player_a plays the frozen base. Both adapters train; every game is stored for each model
+    that moved in it with that model's own reward from TextArena, which replaying the moves in
+    TextArena itself gives again; the base trains nothing."""
+    run = tmp_path / "textarena"
+    config = REPO / "configs" / "textarena.yaml"
+    steps = [f"servers.base.adapters.{name}.trainer.total_steps=3" for name in ("player_a", "player_b")]
+    done = run_module("ajet_hpc.launch", str(config), f"run.dir={run}", *steps, timeout_s=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = metrics.read_rows(run / "metrics.jsonl")
+    assert sorted((row["model"], row["step"]) for row in rows) == [
+        (model, step) for model in ("player_a", "player_b") for step in (1, 2, 3)
+    ]
+    games: dict[str, dict] = {}
+    for model in ("player_a", "player_b", "base"):
+        with EpisodeReader(run / "data" / f"{model}.h5") as reader:
+            for s in reader.summaries():
+                if s["state"] != "finished":  # a game that one model's training ended mid-way
+                    assert "training of" in s["reason"] and "is finished" in s["reason"], s
+                    continue
+                meta = s["metadata"]
+                assert s["reward"] == meta["game_rewards"][model]
+                assert model in {move["model"] for move in meta["moves"]}  # stored where it moved
+                games[f"{s['group']}/{s['task_id']}/{meta['repeat']}"] = {"task_id": s["task_id"], **meta}
+    assert {g["seats"][1] for g in games.values()} == {"player_b", "base"}
+    (python,) = (run / "envs").glob("textarena-*/bin/python")
+    replay = [
+        [g["task_id"], [m["action"] for m in g["moves"]], g["seats"]] for g in list(games.values())[:40]
+    ]
+    replayed = subprocess.run(
+        [str(python), "-c", REPLAY],
+        input=json.dumps(replay),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    assert json.loads(replayed.stdout) == [g["game_rewards"] for g in list(games.values())[:40]]
+
+
+REPLAY = """
+import json, sys
+import textarena as ta
+from ajet_hpc.builtin_tasks.prisoners_dilemma import GAME
+out = []
+for task_id, actions, seats in json.load(sys.stdin):
+    env = ta.make(env_id=GAME["env_id"], **GAME["env_kwargs"])
+    env.reset(num_players=2, seed=int(task_id.rsplit("-", 1)[1]))
+    for action in actions:
+        env.step(action=action)
+    rewards, _ = env.close()
+    out.append({seats[seat]: float(value) for seat, value in rewards.items()})
+print(json.dumps(out))
+"""
