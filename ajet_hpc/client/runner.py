@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ajet_hpc import fault_injection
-from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task, as_outcome
+from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
@@ -55,7 +55,14 @@ from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import task_ends
-from ajet_hpc.storage.client_store import ClientStore, CommitFailed, Result, StoreCorrupt, read_results
+from ajet_hpc.storage.client_store import (
+    ClientStore,
+    CommitFailed,
+    Result,
+    StoreCorrupt,
+    read_results,
+    unstorable_reason,
+)
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.lease import LeaseLost
 from ajet_hpc.storage.rundir import RunDir
@@ -353,6 +360,10 @@ class GroupTask:
         try:
             outcome = as_outcome(self.agent(EpisodeContext(task=task, models=handles, repeat=repeat)))
             outcome.check_models(begun)
+            ids = {name: b["episode_id"] for name, b in begun.items()}
+            unstorable = unstorable_reason(self._result(task, repeat, outcome, ids))
+            if unstorable is not None:  # abort now, rather than fail the commit after the end
+                raise ValueError(f"the agent's outcome cannot be stored: {unstorable}")
         except Exception as exc:
             failure = _server_failure(exc)
             if isinstance(failure, ServerError):  # the server answered: abort there, with the reason
@@ -402,23 +413,41 @@ class GroupTask:
                 "task %s repeat %d had ended before at %s: committing that result", task.id, repeat, duplicate
             )
         first = ended[self.group.servers[0]]
-        self.store.commit(
-            Result(
-                task_id=task.id,
-                repeat=repeat,
-                reward=float(first["reward"]) if duplicate else outcome.reward,
-                rewards={name: float(e["reward"]) for name, e in ended.items()},
-                episode_ids={name: e["episode_id"] for name, e in ended.items()},
-                transcript=None
-                if outcome.transcript is None or duplicate
-                else json.dumps(outcome.transcript, default=str),
-                metadata={**outcome.metadata, "recovered": True} if duplicate else outcome.metadata,
-                finished_at=time.time(),
+        ids = {name: e["episode_id"] for name, e in ended.items()}
+        if duplicate:
+            self.store.commit(
+                Result(
+                    task_id=task.id,
+                    repeat=repeat,
+                    reward=float(first["reward"]),
+                    rewards={name: float(e["reward"]) for name, e in ended.items()},
+                    episode_ids=ids,
+                    transcript=None,
+                    metadata={**outcome.metadata, "recovered": True},
+                    finished_at=time.time(),
+                )
             )
-        )
+        else:
+            result = self._result(task, repeat, outcome, ids)
+            result.rewards.update({name: float(e["reward"]) for name, e in ended.items()})
+            self.store.commit(result)
         with self.tally.lock:
             self.tally.finished += 1
             self.tally.rewards.append(outcome.reward)
+
+    @staticmethod
+    def _result(task: Task, repeat: int, outcome: Outcome, episode_ids: dict[str, str]) -> Result:
+        """The result an episode commits: its rewards are the ones the servers confirm at the end."""
+        return Result(
+            task_id=task.id,
+            repeat=repeat,
+            reward=outcome.reward,
+            rewards={name: outcome.reward_for(name) for name in episode_ids},
+            episode_ids=episode_ids,
+            transcript=None if outcome.transcript is None else json.dumps(outcome.transcript, default=str),
+            metadata=outcome.metadata,
+            finished_at=time.time(),
+        )
 
     def stop(self, reason: str) -> None:
         """Begin no new episode and abort the open ones, so that the servers need not time them out."""

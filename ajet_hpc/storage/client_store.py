@@ -173,6 +173,38 @@ def _normalized(result: Result) -> tuple[Result, bytes]:
     return stored, _payload(stored)  # canonical form of what reads back (int dict keys became str...)
 
 
+def unstorable_reason(result: Result) -> str | None:
+    """Why ``result`` cannot be committed (a value that is no JSON, text with a lone surrogate, which UTF-8
+    and so the journal cannot hold), naming where; None when it can. Checked before an episode ends, so
+    that such a result aborts its episode at once instead of failing its commit afterwards."""
+    try:
+        _normalized(result)
+    except (TypeError, ValueError) as exc:
+        where = _surrogate_path({"metadata": result.metadata, "transcript": result.transcript})
+        if where is not None:
+            return f"{where} holds a lone surrogate, which is not valid Unicode and cannot be stored"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _surrogate_path(value: Any, path: str = "outcome") -> str | None:
+    if isinstance(value, str):
+        return path if any("\ud800" <= ch <= "\udfff" for ch in value) else None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, child in items:
+        if isinstance(key, str) and _surrogate_path(key) is not None:
+            return f"{path} (the key {key!r})"
+        found = _surrogate_path(child, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
 def _frame(payload: bytes) -> bytes:
     length = struct.pack("<I", len(payload))
     return MAGIC + length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length))) + payload

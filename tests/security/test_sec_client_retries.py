@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, Response
 from server_harness import SECRET, Harness, admin_token
 from support import topology_dict
 
-from ajet_hpc.client.api import EpisodeContext
+from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.client.runner import SERVER_ERROR_ATTEMPTS, GroupTask
 from ajet_hpc.config import load_topology
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.storage import rendezvous
+from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.rundir import RunDir
 
 INJECTED = "engine exploded (injected by the test)"
@@ -98,6 +99,14 @@ def huge_reward(ctx: EpisodeContext) -> float:
     return 1e300
 
 
+def surrogate_in_metadata(ctx: EpisodeContext) -> Outcome:
+    """An agent whose outcome holds a lone surrogate (JSON text can carry one; UTF-8 cannot), on one task
+    of two: the other commits as usual."""
+    if ctx.task.id.endswith("-0"):
+        return Outcome(reward=1.0, metadata={"answer": ["ok", "bad \ud800 text"]})
+    return Outcome(reward=0.5, metadata={"answer": "fine"})
+
+
 def make_run(tmp_path: Path, url: str, **client) -> RunDir:
     data = topology_dict(tmp_path / "run", array=1)
     data["clients"][0].update(max_tasks=2, server_wait_s=30, **client)
@@ -159,6 +168,26 @@ def test_an_end_the_server_refuses_aborts_the_episode_with_the_servers_message(
     assert [state for state, _ in closed] == ["aborted", "aborted"]  # not left open for episode_timeout_s
     assert all("reward is 1e+300, beyond this server's limit of ±1e+06" in reason for _, reason in closed)
     assert open_episodes(proxy.url) == 0
+
+
+@pytest.mark.slow
+def test_an_outcome_that_cannot_be_stored_aborts_its_episode_at_once_with_the_reason(
+    server, tmp_path: Path
+) -> None:
+    """A lone surrogate in an outcome used to fail the store's commit (UnicodeEncodeError) after the
+    episode's end could not be sent, leaving the episode open until its timeout; now the runner checks the
+    result before the end and aborts the episode at once, naming where the surrogate is; the task goes on."""
+    real, proxy = server
+    closed: list[tuple[str, str]] = []
+    real.ctx.episodes.on_closed(lambda episode: closed.append((episode.state, episode.reason or "")))
+    run = make_run(tmp_path, proxy.url, agent="test_sec_client_retries:surrogate_in_metadata")
+    tally = run_task(run)
+    assert tally is not None and (tally.finished, tally.aborted) == (1, 1)
+    (aborted,) = [reason for state, reason in closed if state == "aborted"]
+    assert "outcome.metadata.answer[1] holds a lone surrogate" in aborted
+    assert [state for state, _ in closed].count("finished") == 1 and open_episodes(proxy.url) == 0
+    (result,) = read_results(run.client_store("math", 0))
+    assert result.metadata == {"answer": "fine"}
 
 
 @pytest.mark.slow
