@@ -64,6 +64,9 @@ from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
 
 log = logging.getLogger(__name__)
 
+_open_here: set[str] = set()  # stores open in this process (resolved paths): a second open is refused
+_open_here_lock = threading.Lock()
+
 FORMAT = 1
 JOURNAL_SUFFIX = ".journal"
 MAGIC = b"\xffAJR"
@@ -574,6 +577,7 @@ class ClientStore:
         self._hdf5: _Hdf5View | None = hdf5
         self._failed: BaseException | None = None
         self._closed = False
+        self._open_key: str | None = None  # set by ``open``: this process's claim on the path
 
     @classmethod
     def open(
@@ -592,15 +596,30 @@ class ClientStore:
         goes stale by then); after that :class:`~ajet_hpc.storage.h5_layout.StoreError` names the holder."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        timing = lease_timing or LeaseTiming()
-        lease = _take_lease(
-            path, timing, timing.timeout_s + timing.heartbeat_s if lease_wait_s is None else lease_wait_s
-        )
+        key = str(path.resolve())
+        with _open_here_lock:  # the lease would see its own process and take itself over
+            if key in _open_here:
+                raise StoreError(
+                    f"{path} is already open in this process: close it first (one writer per store; "
+                    "share the open ClientStore, which is safe from many threads)"
+                )
+            _open_here.add(key)
         try:
-            return cls._open_leased(path, group, index, lease)
+            timing = lease_timing or LeaseTiming()
+            lease = _take_lease(
+                path, timing, timing.timeout_s + timing.heartbeat_s if lease_wait_s is None else lease_wait_s
+            )
+            try:
+                store = cls._open_leased(path, group, index, lease)
+            except BaseException:
+                lease.release()
+                raise
         except BaseException:
-            lease.release()
+            with _open_here_lock:
+                _open_here.discard(key)
             raise
+        store._open_key = key
+        return store
 
     @classmethod
     def _open_leased(cls, path: Path, group: str, index: int, lease: HeldLease) -> ClientStore:
@@ -725,6 +744,8 @@ class ClientStore:
                 os.close(self._journal_fd)
                 if self._lease is not None:
                     self._lease.release()
+                with _open_here_lock:
+                    _open_here.discard(self._open_key or "")
 
     def __enter__(self) -> ClientStore:
         return self

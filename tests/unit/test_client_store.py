@@ -31,6 +31,7 @@ from ajet_hpc.storage.client_store import (
     journal_path,
     read_results,
 )
+from ajet_hpc.storage.h5_layout import StoreError
 
 GROUP, INDEX = "workers", 3
 COMMITS = 20
@@ -407,3 +408,18 @@ def test_a_failed_hdf5_append_keeps_the_commit_and_the_view_is_rebuilt(
         monkeypatch.undo()
         assert store.committed() == {make_result(i).key for i in range(3)}
     assert hdf5_task_ids(path) == [make_result(i).key for i in range(3)]  # rebuilt on close
+
+
+def test_a_second_open_of_a_store_in_the_same_process_is_refused_and_the_first_keeps_working(
+    tmp_path: Path,
+) -> None:
+    """The lease would take its own process's claim over (its rule for a writer left unclosed) and the two
+    writers' records would then make the store unopenable; the second open is refused by name instead."""
+    path = tmp_path / "c.h5"
+    with ClientStore.open(path, group=GROUP, index=INDEX) as first:
+        first.commit(make_result(0))
+        with pytest.raises(StoreError, match="already open in this process"):
+            ClientStore.open(tmp_path / "." / "c.h5", group=GROUP, index=INDEX)
+        first.commit(make_result(1))
+    with ClientStore.open(path, group=GROUP, index=INDEX) as again:  # closed: it opens again
+        assert again.committed() == {make_result(0).key, make_result(1).key}
