@@ -184,7 +184,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedR
     topology["clients"] += [
         {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
         | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)},
-        verifiers_group,
+        verifiers_group | {"name": "verifiers"},
     ]
     yield launch_shared(folder, topology), listener
     listener.close()
