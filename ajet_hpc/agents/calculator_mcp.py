@@ -1,7 +1,8 @@
 """The built-in example MCP server (stdio): the calculator's tools (``agents.calculator``) over MCP, for
 ``agents.mcp_tools``.
 
-    python -m ajet_hpc.agents.calculator_mcp     # speaks MCP on stdin/stdout
+    python -m ajet_hpc.agents.calculator_mcp                  # speaks MCP on stdin/stdout
+    python -m ajet_hpc.agents.calculator_mcp --http 8000      # streamable HTTP at http://127.0.0.1:8000/mcp
 """
 
 from __future__ import annotations
@@ -26,4 +27,9 @@ def lookup(key: str) -> int:
 
 
 if __name__ == "__main__":
-    server.run("stdio")
+    import sys
+
+    if sys.argv[1:2] == ["--http"]:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run("stdio")
