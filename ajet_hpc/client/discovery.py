@@ -9,6 +9,8 @@ message and releases its allocation (``runner.run_client`` exits with ``EXIT_SER
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,10 @@ from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+
+POLL_FIRST_S = 1.0
+POLL_MAX_S = 20.0  # a read of the rendezvous is about two metadata operations (open, fstat)
 
 
 class ServerGone(RuntimeError):
@@ -57,22 +63,41 @@ def probe(record: rendezvous.Rendezvous, timeout_s: float = 5.0) -> dict[str, ob
     return reply.json()
 
 
+class WaitStopped(RuntimeError):
+    """The waiting task was told to stop (SIGTERM, a cancel) while it waited for its server."""
+
+
+def next_poll_s(previous_s: float, first_s: float = POLL_FIRST_S, rng: random.Random | None = None) -> float:
+    """The pause before the next read of an absent server's rendezvous: ``first_s``, doubling, then
+    ``POLL_MAX_S`` with up to a quarter more of jitter, so that thousands of waiting tasks read the shared
+    file system at most once per ``POLL_MAX_S`` each, and not all in the same second."""
+    if previous_s <= 0:
+        return first_s
+    if previous_s * 2 < POLL_MAX_S:
+        return previous_s * 2
+    return POLL_MAX_S * (1 + 0.25 * (rng or random).random())
+
+
 def wait_for_server(
     run: RunDir,
     name: str,
     timeout_s: float | None = None,
-    poll_s: float = 1.0,
+    poll_s: float = POLL_FIRST_S,
     report_every_s: float = 30.0,
+    stop: threading.Event | None = None,
 ) -> FoundServer:
     """Block until server ``name`` has a fresh rendezvous file and answers /health.
 
-    Re-reads the file on every try, so a server that was requeued onto another node is followed.
-    ``timeout_s=None`` waits for ever (a server may sit in the queue for hours). Raises ``ServerFinished``
-    or ``ServerFailed`` as soon as the rendezvous says so, ``ServerUnavailable`` after ``timeout_s``.
+    Re-reads the file on every try, so a server that was requeued onto another node is followed; the
+    pauses between tries grow from ``poll_s`` to ``POLL_MAX_S`` (``next_poll_s``): a read of the file is a
+    metadata operation on shared storage. ``timeout_s=None`` waits for ever (a server may sit in the queue
+    for hours). Raises ``ServerFinished`` or ``ServerFailed`` as soon as the rendezvous says so,
+    ``ServerUnavailable`` after ``timeout_s``, ``WaitStopped`` at once when ``stop`` is set.
     """
     path = run.rendezvous_file(name)
     start = last_report = time.monotonic()
     why = "no rendezvous file yet"
+    pause = 0.0
     while True:
         record = rendezvous.read(path)
         if record is not None and record.state == "finished":
@@ -99,4 +124,10 @@ def wait_for_server(
         if now - last_report >= report_every_s:
             log.info("waiting for server %r for %.0fs: %s", name, now - start, why)
             last_report = now
-        time.sleep(poll_s)
+        pause = next_poll_s(pause, poll_s)
+        if timeout_s is not None:
+            pause = max(0.0, min(pause, start + timeout_s - now + 0.01))
+        if stop is None:
+            time.sleep(pause)
+        elif stop.wait(pause):
+            raise WaitStopped(f"stopped while waiting for server {name!r} ({why})")

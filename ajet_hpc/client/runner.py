@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ajet_hpc import fault_injection
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
-from ajet_hpc.client.discovery import ServerFinished, ServerGone, wait_for_server
+from ajet_hpc.client.discovery import ServerFinished, ServerGone, WaitStopped, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
     ClientStopping,
@@ -141,7 +141,12 @@ class GroupTask:
             if api is not None and api.url != known_url:
                 return api
             try:
-                found = wait_for_server(self.rundir, name, timeout_s=self.group.server_wait_s)
+                found = wait_for_server(
+                    self.rundir, name, timeout_s=self.group.server_wait_s, stop=self.stopping
+                )
+            except WaitStopped as exc:  # SIGTERM while the server is away: no episode waits for it
+                self.finished.set()
+                raise ClientStopping(str(exc)) from exc
             except (ServerFinished, ServerGone) as exc:  # start no new episode, wherever this was asked
                 self.gone = exc if isinstance(exc, ServerGone) else None
                 self.finished.set()
@@ -279,11 +284,18 @@ class GroupTask:
                 self.stop_untrusted(exc)
                 return
             except ServerAway as exc:
+                if self.stopping.is_set():  # the server went with the cancel that stops this task
+                    log.info("task %s repeat %d stopped with the runner (%s)", task.id, repeat, exc)
+                    return
                 log.warning(
                     "task %s repeat %d: server away (%s); waiting to run it again", task.id, repeat, exc
                 )
-                for name, api in list(self.apis.items()):
-                    self.connect(name, known_url=api.url)
+                try:
+                    for name, api in list(self.apis.items()):
+                        self.connect(name, known_url=api.url)
+                except ClientStopping as stopped:
+                    log.info("task %s repeat %d: %s", task.id, repeat, stopped)
+                    return
             except Exception:
                 log.exception("task %s repeat %d failed", task.id, repeat)
                 return

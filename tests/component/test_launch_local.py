@@ -51,3 +51,37 @@ def _zombie(pid: str) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def run_processes(run: Path) -> list[str]:
+    """Live processes of the run: those whose command line names a folder of it (every local controller,
+    server and client runner does)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run) in text and not _zombie(cmdline.parent.name):
+            found.append(f"{cmdline.parent.name}: {text[:160]}")
+    return found
+
+
+def test_cancel_of_a_detached_run_leaves_no_process_of_it(tmp_path: Path) -> None:
+    """Tried as a new user would (issue 31): a detached local run with a server and three client tasks,
+    cancelled while the clients work: every process of the run is gone, none left waiting for its server."""
+    run = tmp_path / "run"
+    data = topology_dict(run)
+    data["clients"][0].update(max_tasks=None, agent="tests.fixture_agents:slow_arithmetic")
+    done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, data)), "--detach")
+    assert done.returncode == 0, done.stderr
+    logs = run / "logs" / "clients-math"
+    wait_until(
+        lambda: sum("reached server policy" in p.read_text() for p in logs.glob("*_log.out")) == 3,
+        90,
+        "the three client tasks to reach the server",
+    )
+    assert len(run_processes(run)) >= 4
+    cancel = run_module("ajet_hpc.cancel", str(run))
+    assert cancel.returncode == 0, cancel.stderr
+    wait_until(lambda: not run_processes(run), 60, "every process of the run to stop")
