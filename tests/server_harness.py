@@ -17,6 +17,7 @@ from ajet_hpc.client.handshake import fetch_run_token
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import EngineKind, create_engine
 from ajet_hpc.server.app import ServerContext, create_app
+from ajet_hpc.server.process import uvicorn_config
 
 SECRET = "5e" * 32
 
@@ -80,13 +81,10 @@ class Harness:
         sock.listen(1024)
         url = f"{'https' if tls else 'http'}://127.0.0.1:{sock.getsockname()[1]}"
         ctx.public_url = url
-        config = uvicorn.Config(
-            create_app(ctx, manage_engine=False),
-            log_level="warning",
-            access_log=False,
-            ssl_certfile=tls[0] if tls else None,
-            ssl_keyfile=tls[1] if tls else None,
+        serving = ctx.settings.model_copy(
+            update={"tls_certfile": tls[0] if tls else None, "tls_keyfile": tls[1] if tls else None}
         )
+        config = uvicorn_config(create_app(ctx, manage_engine=False), serving)  # the servers' own settings
         server = uvicorn.Server(config)
         asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
         while not server.started:

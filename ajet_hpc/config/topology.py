@@ -448,6 +448,28 @@ class ServingConfig(BaseModel):
         "the server, closes an idle connection: a server that closes one as a request arrives on it leaves "
         "that request unanswered.",
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long a connection may take to send a request's headers, from when it opens or the "
+        "request begins; a silent connection is closed then (docs/security.md).",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long a request may take to send its whole body once its headers are in; a trickled "
+        "body is cut off then.",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most open client connections; past it the longest-silent connection is closed first. "
+        "None: the open-file limit (raised to its hard limit at start) less 256 for the server's own files.",
+    )
 
 
 class VllmConfig(BaseModel):

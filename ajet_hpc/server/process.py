@@ -18,11 +18,17 @@ from typing import Any
 
 import uvicorn
 
-from ajet_hpc.config import ServerConfig, Topology
+from ajet_hpc.config import ServerConfig, ServingConfig, Topology
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
 from ajet_hpc.server.app import ServerContext, SwarmApp, create_app
 from ajet_hpc.server.assembly import Job, assemble, assemble_shared
+from ajet_hpc.server.connections import (
+    connection_bound,
+    guarded_protocol,
+    quiet_accept_errors,
+    raise_descriptor_limit,
+)
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
@@ -297,16 +303,22 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
 
 
 def uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:
-    tls = config.serving
-    return GracefulServer(
-        uvicorn.Config(
-            app,
-            log_level="warning",
-            access_log=False,
-            ssl_certfile=tls.tls_certfile,
-            ssl_keyfile=tls.tls_keyfile,
-            timeout_keep_alive=math.ceil(config.serving.keep_alive_s),  # whole seconds for uvicorn
-        )
+    return GracefulServer(uvicorn_config(app, config.serving))
+
+
+def uvicorn_config(app: Any, serving: ServingConfig) -> uvicorn.Config:
+    """uvicorn's settings for a server: its keep-alive, TLS, and the guarded protocol (request deadlines,
+    a bound on open connections below the open-file limit, which is raised to its hard limit here)."""
+    bound = connection_bound(serving.max_connections, raise_descriptor_limit())
+    quiet_accept_errors()
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=serving.tls_certfile,
+        ssl_keyfile=serving.tls_keyfile,
+        timeout_keep_alive=math.ceil(serving.keep_alive_s),  # whole seconds for uvicorn
+        http=guarded_protocol(serving.header_timeout_s, serving.body_timeout_s, bound),
     )
 
 
