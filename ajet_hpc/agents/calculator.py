@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ajet_hpc.builtin_tasks.tools import KEYS as TABLE
+
 SYSTEM = "You are a calculator agent."
-TABLE = {"alpha": 17, "beta": 42, "gamma": 7, "delta": 123, "omega": 999}
 
 
 def add(a: int, b: int) -> int:

@@ -9,7 +9,7 @@ One run is one ``prlimit ... -- bwrap ... python -I -S -B /code/main.py``:
 - ``bwrap`` gives the code new user, PID, network, IPC, UTS and cgroup namespaces (no network at all, only
   its own processes), no capabilities, a cleared environment and a file system of the interpreter and the
   system libraries read-only, its code read-only at ``/code``, and one size-limited tmpfs as its private
-  dir ``/work`` (``/tmp`` points into it). Nothing of the run directory, the home directory or ``/etc``
+  dir ``/box`` (``/tmp`` points into it). Nothing of the run directory, the home directory or ``/etc``
   is there to read. When the run ends or its wall time is over, bwrap's PID namespace takes every process
   the code started with it.
 
@@ -18,7 +18,7 @@ the run falls back to the rlimits alone, as another user id when running as root
 per process: then the code can read what that user can read and reach the network. ``AJET_SANDBOX=bwrap``
 refuses the fallback (``SandboxUnavailable``), ``AJET_SANDBOX=rlimits`` asks for it. In the fallback as
 root, the sandbox's user id must reach the interpreter: point ``AJET_SANDBOX_PYTHON`` at one outside a
-private home (e.g. ``/usr/bin/python3``) when the client's is under ``/root``.
+private home (e.g. ``/usr/bin/python3``) when the client's is in root's home.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def _limits_command(limits: Limits, uid: int | None) -> list[str]:
 
 
 def _bwrap_command(limits: Limits, tmp: Path, uid: int | None) -> list[str]:
-    """bwrap's part of the command. Run by root, bwrap mounts as root (so it reaches an interpreter under a
-    private home such as /root/.pyenv) without a user namespace, and ``setpriv`` then drops the code to
+    """bwrap's part of the command. Run by root, bwrap mounts as root (so it reaches an interpreter in a
+    private home, such as pyenv in root's) without a user namespace, and ``setpriv`` then drops the code to
     ``uid`` with no capabilities; run by a user, it makes a user namespace and drops every capability."""
     if uid is None:
         command = ["bwrap", "--unshare-all", "--cap-drop", "ALL"]
@@ -172,7 +172,7 @@ def _bwrap_command(limits: Limits, tmp: Path, uid: int | None) -> list[str]:
         command = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         command += ["--unshare-cgroup-try"]
     command += ["--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"]
-    command += ["--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/work/tmp", "--setenv", "LANG", "C.UTF-8"]
+    command += ["--setenv", "HOME", "/box", "--setenv", "TMPDIR", "/box/tmp", "--setenv", "LANG", "C.UTF-8"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
             command += ["--symlink", os.readlink(path), path]
@@ -181,9 +181,9 @@ def _bwrap_command(limits: Limits, tmp: Path, uid: int | None) -> list[str]:
     for path in _interpreter_dirs():
         command += ["--ro-bind", path, path]
     command += ["--proc", "/proc", "--dev", "/dev"]
-    command += ["--size", str(limits.scratch_mb * MIB), "--perms", "1777", "--tmpfs", "/work"]
-    command += ["--dir", "/work/tmp", "--chmod", "1777", "/work/tmp", "--symlink", "/work/tmp", "/tmp"]
-    return [*command, "--ro-bind", str(tmp / "code"), "/code", "--chdir", "/work"]
+    command += ["--size", str(limits.scratch_mb * MIB), "--perms", "1777", "--tmpfs", "/box"]
+    command += ["--dir", "/box/tmp", "--chmod", "1777", "/box/tmp", "--symlink", "/box/tmp", "/tmp"]
+    return [*command, "--ro-bind", str(tmp / "code"), "/code", "--chdir", "/box"]
 
 
 def _interpreter() -> str:

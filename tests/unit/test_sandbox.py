@@ -20,7 +20,7 @@ def test_a_well_behaved_script_runs_with_its_stdin_and_a_private_writable_dir() 
     code = "import sys, tempfile\nopen('f', 'w').write(sys.stdin.read())\n"
     code += "print(open('f').read(), tempfile.gettempdir())"
     result = run_python(code, QUICK, stdin="hello")
-    assert result.ok and result.stdout.split() == ["hello", "/work/tmp"], result
+    assert result.ok and result.stdout.split() == ["hello", "/box/tmp"], result
     assert result.isolation == isolation_in_use() == "bwrap"
 
 
