@@ -66,6 +66,17 @@ class Recorder:
 
         return httpx.AsyncClient(event_hooks={"request": [on_request], "response": [on_response]})
 
+    def openai(self, server: dict[str, Any]) -> Any:
+        """An ``openai.AsyncOpenAI`` for ``server`` that records through this recorder (no retries)."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(
+            base_url=server["base_url"],
+            api_key=server["api_key"],
+            max_retries=0,
+            http_client=self.async_client(),  # type: ignore[arg-type]  # the runtime's openai takes httpx
+        )
+
 
 def run_case(name: str, case: Callable[[Recorder], Any]) -> dict[str, Any]:
     recorder = Recorder()
@@ -81,17 +92,11 @@ def openai_agents_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder]
     from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
     from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
     from agents.models.openai_responses import OpenAIResponsesModel
-    from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
 
     def agent(recorder: Recorder, **kwargs: Any) -> Any:
-        client = AsyncOpenAI(
-            base_url=server["base_url"],
-            api_key=server["api_key"],
-            max_retries=0,
-            http_client=recorder.async_client(),  # type: ignore[arg-type]  # the runtime's openai takes httpx
-        )
+        client = recorder.openai(server)
         model = OpenAIResponsesModel(model=server["model"], openai_client=client)
         settings = ModelSettings(max_tokens=24, **kwargs.pop("settings", {}))
         return Agent(
@@ -169,19 +174,13 @@ def langgraph_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder], An
 
 
 def pydantic_ai_cases(server: dict[str, Any]) -> dict[str, Callable[[Recorder], Any]]:
-    from openai import AsyncOpenAI
     from pydantic_ai import Agent, UnexpectedModelBehavior, UsageLimitExceeded
     from pydantic_ai.models.openai import OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.usage import UsageLimits
 
     def agent(recorder: Recorder, **kwargs: Any) -> Agent:
-        client = AsyncOpenAI(
-            base_url=server["base_url"],
-            api_key=server["api_key"],
-            max_retries=0,
-            http_client=recorder.async_client(),  # type: ignore[arg-type]  # the runtime's openai takes httpx
-        )
+        client = recorder.openai(server)
         model = OpenAIResponsesModel(server["model"], provider=OpenAIProvider(openai_client=client))
         return Agent(model, instructions=SYSTEM, tools=[add], **kwargs)
 

@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -24,6 +25,22 @@ from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer import metrics
 
 pytestmark = pytest.mark.slow
+
+
+def in_runtime(run: Path, env: str, script: str, payload: Any = None) -> Any:
+    """The JSON a script prints when run in the group's runtime ``RUN/envs/<env>-*`` (built at launch),
+    fed ``payload`` as JSON on stdin: each library checks our results apart from our code."""
+    (python,) = (run / "envs").glob(f"{env}-*/bin/python")
+    done = subprocess.run(
+        [str(python), "-c", script],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    return json.loads(done.stdout)
+
 
 RESCORE = """
 import json, sys
@@ -60,11 +77,8 @@ def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(t
         name, params = sources[s["group"]]
         index = int(re.fullmatch(rf"{name}-1-(\d+)", s["task_id"])[1])  # type: ignore[index]
         asked.append([name, {"size": 200, "seed": 1, **params}, index, s["metadata"]["answer"]])
-    (python,) = (run / "envs").glob("reasoning-gym-*/bin/python")  # the group's runtime, built at launch
-    rescored = subprocess.run(
-        [str(python), "-c", RESCORE], input=json.dumps(asked), capture_output=True, text=True, check=True
-    )
-    assert json.loads(rescored.stdout) == pytest.approx([s["reward"] for s in finished[:60]])
+    rescored = in_runtime(run, "reasoning-gym", RESCORE, asked)
+    assert rescored == pytest.approx([s["reward"] for s in finished[:60]])
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     assert "unexpected error on" not in server_log and "Traceback" not in server_log  # no 5xx answered
 
@@ -100,22 +114,10 @@ def test_math_verify_rewards_math_answers_in_a_short_training_run(tmp_path: Path
         finished = [s for s in reader.summaries() if s["state"] == "finished"]
     (group,) = load_topology(config).clients
     name, params = parse_reasoning_gym(group.tasks)
-    (python,) = (run / "envs").glob("math-*/bin/python")
-    golds = subprocess.run(
-        [str(python), "-c", GOLDS],
-        input=json.dumps([name, {"size": 200, "seed": 2, **params}]),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    gold_of = json.loads(golds.stdout)
+    gold_of = in_runtime(run, "math", GOLDS, [name, {"size": 200, "seed": 2, **params}])
     pairs = [[s["metadata"]["answer"], gold_of[int(s["task_id"].rsplit("-", 1)[1])]] for s in finished]
-    verdicts = subprocess.run(
-        [str(python), "-c", VERIFY], input=json.dumps(pairs), capture_output=True, text=True, check=True
-    )
-    assert json.loads(verdicts.stdout) == [s["reward"] for s in finished]
-    helper = subprocess.run([str(python), "-c", HELPER], capture_output=True, text=True, check=True, cwd=REPO)
-    assert json.loads(helper.stdout) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert in_runtime(run, "math", VERIFY, pairs) == [s["reward"] for s in finished]
+    assert in_runtime(run, "math", HELPER) == [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 GOLDS = """
@@ -256,15 +258,8 @@ def test_a_verifiers_environment_trains_with_its_own_rewards(
     finished = run.group("verifiers")
     assert finished and all(s["metadata"]["turns"] >= 1 for s in finished)
     cases = [[s["metadata"]["taskset"], s["metadata"]["task"], s["metadata"]["answer"]] for s in finished]
-    (python,) = (run.dir / "envs").glob("verifiers-*/bin/python")  # the group's runtime, built at launch
-    rescored = subprocess.run(
-        [str(python), "-c", RESCORE_VERIFIERS],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert json.loads(rescored.stdout) == pytest.approx([s["reward"] for s in finished])
+    rescored = in_runtime(run.dir, "verifiers", RESCORE_VERIFIERS, cases)
+    assert rescored == pytest.approx([s["reward"] for s in finished])
 
 
 def task_data(task_id: str) -> dict:
@@ -333,15 +328,18 @@ def test_tools_over_mcp_train_through_the_built_in_mcp_server(tools_run: SharedR
     with EpisodeReader(tools_run.dir / "data" / "policy.h5") as reader:
         for summary in called:
             first = summary["metadata"]["tool_calls"][0]
-            assert first["tool"] == "add" and json.loads(first["arguments"]) == {"a": 2, "b": 3}
-            assert first["result"] == "5"  # computed by the MCP server
+            arguments = json.loads(first["arguments"])  # sampled at temperature 1: mostly the script's 2, 3
+            assert first["tool"] == "add" and first["result"] == str(
+                arguments["a"] + arguments["b"]
+            )  # by MCP
             timelines = reader.episode(summary["episode_id"]).timelines
             sent = [m for t in timelines for m in t.messages if m.get("role") == "tool"]
-            assert sent and sent[0]["content"] == "5"  # the tool's result went back to the model
+            assert sent and sent[0]["content"] == first["result"]  # the tool's result went back to the model
             assert timelines[0].tools == [TOOLS[0]]  # the tool as MCP lists it, titles dropped
     for s in finished:
         assert s["reward"] == (5 in map(int, re.findall(r"-?\d+", s["metadata"]["answer"])))
     assert any(s["reward"] == 1.0 for s in called)
+    assert any(json.loads(s["metadata"]["tool_calls"][0]["arguments"]) == {"a": 2, "b": 3} for s in called)
     assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
 
 
@@ -430,19 +428,12 @@ def test_textarena_two_adapters_play_each_other_and_the_frozen_base_and_both_tra
                 assert model in {move["model"] for move in meta["moves"]}  # stored where it moved
                 games[f"{s['group']}/{s['task_id']}/{meta['repeat']}"] = {"task_id": s["task_id"], **meta}
     assert {g["seats"][1] for g in games.values()} == {"player_b", "base"}
-    (python,) = (run / "envs").glob("textarena-*/bin/python")
     replay = [
         [g["task_id"], [m["action"] for m in g["moves"]], g["seats"]] for g in list(games.values())[:40]
     ]
-    replayed = subprocess.run(
-        [str(python), "-c", REPLAY],
-        input=json.dumps(replay),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    assert json.loads(replayed.stdout) == [g["game_rewards"] for g in list(games.values())[:40]]
+    assert in_runtime(run, "textarena", REPLAY, replay) == [
+        g["game_rewards"] for g in list(games.values())[:40]
+    ]
 
 
 REPLAY = """
