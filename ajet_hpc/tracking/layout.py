@@ -80,6 +80,38 @@ def common_prefix_length(a: str, b: str) -> int:
     return low
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """What rendering a message after its predecessor adds: ``length`` characters hashing to ``digest``,
+    after taking back the last ``cut`` characters (``tail``) of the predecessor's rendering alone (0 and ""
+    for templates that render each turn from itself; Qwen2.5 takes back ``<|im_end|>`` to put consecutive
+    tool results in one turn)."""
+
+    length: int
+    digest: int
+    cut: int
+    tail: str
+
+
+def _fits(text: str, start: int, piece: tuple[int, int], cut: int, tail: str) -> bool:
+    """Whether a rendering piece of (length, hash) ``piece`` lies at ``text[start:]``, but for its last
+    ``cut`` characters, ``tail``, which the next message's rendering takes back."""
+    length, digest = piece
+    kept = length - cut
+    if kept < 0 or start + kept > len(text):
+        return False
+    return hash(text[start : start + kept] + tail) == digest
+
+
+def _not_incremental(index: int) -> DriftEvent:
+    return DriftEvent(
+        index,
+        TEMPLATE_NOT_INCREMENTAL,
+        f"rendering messages[:{index + 1}] is not a prefix of the full rendering; "
+        "author boundaries near this message are approximate",
+    )
+
+
 class TemplateLayout:
     """Renders conversations with a tokenizer's chat template and finds message boundaries."""
 
@@ -87,7 +119,7 @@ class TemplateLayout:
         self.tokenizer = tokenizer
         self._prefix_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash) of a prefix rendering
         self._preamble_cache: dict[str, tuple[int, int]] = {}  # key -> (length, hash)
-        self._window_cache: dict[str, tuple[int, int] | None] = {}  # two messages -> (length, hash) added
+        self._window_cache: dict[str, _Piece | None] = {}  # two messages -> what the second adds
 
     def render(
         self,
@@ -126,63 +158,79 @@ class TemplateLayout:
             keys.append(chain_key(keys[-1], item))
         fast = self._window_bounds(messages, items, keys, tools, template_kwargs, text, first)
         if fast is not None:
-            return Layout(text=text, bounds=fast, drift=[])
+            return Layout(text=text, bounds=fast[0], drift=fast[1])
         bounds = [first]
         drift: list[DriftEvent] = []
         for k in range(1, len(messages) + 1):
             end, exact = self._prefix_end(keys[k], messages[:k], tools, template_kwargs, text)
             if not exact or end < bounds[-1]:
                 end = max(bounds[-1], end)
-                drift.append(
-                    DriftEvent(
-                        k - 1,
-                        TEMPLATE_NOT_INCREMENTAL,
-                        f"rendering messages[:{k}] is not a prefix of the full rendering; "
-                        "author boundaries near this message are approximate",
-                    )
-                )
+                drift.append(_not_incremental(k - 1))
             bounds.append(end)
         return Layout(text=text, bounds=bounds, drift=drift)
 
     def _window_bounds(self, messages, items, keys, tools, template_kwargs, text: str, first: int):
-        """The prefix boundaries from two-message windows (module docstring), or None when a piece does
-        not fit the full text (then the prefix renderings decide)."""
-        end, exact = self._prefix_end(keys[1], messages[:1], tools, template_kwargs, text)
-        if not exact or end < first:
-            return None
-        bounds = [first, end]
+        """The prefix layout from two-message windows (module docstring): (bounds, drift), or None when a
+        piece does not fit the full text (then the prefix renderings decide)."""
+        pieces: list[_Piece] = []
         for k in range(1, len(messages)):
             pair_key = chain_key(keys[0], f"{items[k - 1]}\x00{items[k]}")
             piece = self._window_piece(pair_key, messages[k - 1], messages[k], tools, template_kwargs)
             if piece is None:
                 return None
-            length, digest = piece
-            if hash(text[end : end + length]) != digest:
+            pieces.append(piece)
+        # what the next message's rendering takes back of each one's (a template that merges them)
+        cuts = [(p.cut, p.tail) for p in pieces] + [(0, "")]
+        alone = self._rendering(keys[1], messages[:1], tools, template_kwargs)
+        if alone is None or not _fits(text, 0, alone, *cuts[0]):
+            return None
+        end = alone[0] - cuts[0][0]
+        if end < first:
+            return None
+        bounds = [first, end]
+        for k, piece in enumerate(pieces, start=1):
+            if not _fits(text, end, (piece.length, piece.digest), *cuts[k]):
                 return None
-            end += length
+            end += piece.length - cuts[k][0]
             bounds.append(end)
         if len(messages) > 1:  # the pieces must end where the whole conversation's rendering ends
             whole, exact = self._prefix_end(keys[-1], messages, tools, template_kwargs, text)
             if not exact or whole != end:
                 return None
-        return bounds
+        drift = [_not_incremental(k) for k, (cut, _) in enumerate(cuts) if cut]
+        return bounds, drift
 
-    def _window_piece(self, cache_key: str, previous, message, tools, template_kwargs):
-        """(length, hash) of what ``message`` adds after ``previous``, or None when the rendering of the
-        pair does not start with that of ``previous`` alone. Cached per tracker."""
+    def _window_piece(self, cache_key: str, previous, message, tools, template_kwargs) -> _Piece | None:
+        """What rendering ``[previous, message]`` adds to rendering ``previous`` alone, past their common
+        prefix, or None when the pair renders nothing more. Cached per tracker."""
         cached = self._window_cache.get(cache_key, _UNSEEN)  # one lookup: another thread may clear it
         if cached is not _UNSEEN:
-            return cached
+            return cached  # type: ignore[return-value]
         alone = self._render_or_empty([previous], tools, template_kwargs)
         pair = self._render_or_empty([previous, message], tools, template_kwargs)
         piece = None
-        if alone and pair.startswith(alone) and len(pair) > len(alone):
-            added = pair[len(alone) :]
-            piece = (len(added), hash(added))
+        shared = common_prefix_length(alone, pair)
+        if alone and len(pair) > shared:
+            added = pair[shared:]
+            piece = _Piece(len(added), hash(added), len(alone) - shared, alone[shared:])
         if len(self._window_cache) >= CACHE_LIMIT:
             self._window_cache.clear()
         self._window_cache[cache_key] = piece
         return piece
+
+    def _rendering(self, key, messages, tools, template_kwargs) -> tuple[int, int] | None:
+        """(length, hash) of the rendering of ``messages`` (no generation prompt), cached; None when the
+        template refuses them."""
+        cached = self._prefix_cache.get(key)
+        if cached is not None:
+            return cached
+        rendered = self._render_or_empty(messages, tools, template_kwargs)
+        if not rendered:
+            return None
+        if len(self._prefix_cache) >= CACHE_LIMIT:
+            self._prefix_cache.clear()
+        self._prefix_cache[key] = (len(rendered), hash(rendered))
+        return self._prefix_cache[key]
 
     def _render_or_empty(self, messages, tools, template_kwargs) -> str:
         try:

@@ -258,6 +258,20 @@ def conversation(turns: int) -> list[dict]:
     return messages
 
 
+def tool_results(count: int) -> list[dict]:
+    """One user message, then an assistant turn calling ``count`` tools and their ``count`` results."""
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": f'{{"x": {i}}}'}}
+        for i in range(count)
+    ]
+    results = [{"role": "tool", "tool_call_id": f"c{i}", "content": str(i)} for i in range(count)]
+    return [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *results,
+    ]
+
+
 @pytest.mark.parametrize("tokenizer_name", ["tiny", "tiny-qwen"])
 def test_prompt_layout_renders_a_linear_number_of_messages(
     request: pytest.FixtureRequest, tokenizer_name
@@ -276,6 +290,11 @@ def test_prompt_layout_renders_a_linear_number_of_messages(
     again = tracker.rendered
     tracker.build_prompt([*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
     assert tracker.rendered - again <= 3 * len(messages) + 10  # the next call: cached windows
+    merged = tool_results(1024)  # Qwen2.5 renders these 1,024 results as one turn (issue 31: 18 s before)
+    tracker = CountingLayoutTracker(tokenizer)
+    layout = tracker._layout.layout(merged, [TOOL], {})
+    assert tracker.rendered <= 6 * len(merged), tracker.rendered
+    assert len(layout.bounds) == len(merged) + 1 and layout.bounds == sorted(layout.bounds)
 
 
 @pytest.mark.parametrize("tokenizer_name", ["tiny", "tiny-qwen"])
@@ -304,6 +323,8 @@ def test_the_window_layout_gives_the_prefix_layout(request: pytest.FixtureReques
             {"role": "assistant", "content": "done"},
             {"role": "user", "content": "again"},
         ],
+        tool_results(3),  # Qwen2.5 merges consecutive tool results into one turn
+        [*tool_results(2), {"role": "assistant", "content": "sum"}, *tool_results(2)[1:]],
     ]
     for messages in cases:
         for tools in (None, [TOOL]):
