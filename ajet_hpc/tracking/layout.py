@@ -13,10 +13,13 @@ prefixes are cached per tracker, keyed by the exact messages, so a call re-rende
 
 Cost: rendering every prefix of an n-message conversation renders O(n²) messages (800 short messages took
 8 s). So boundaries are first found from windows of two messages: what rendering ``[m[k-1], m[k]]`` adds to
-rendering ``[m[k-1]]`` is message k's piece, and the pieces must follow each other in the full text and end
-exactly where the rendering of the whole conversation (no generation prompt) ends. For the usual templates
-(each turn rendered from itself and its predecessor) this holds and gives the prefix boundaries with O(n)
-messages rendered; when any piece does not fit, the prefix renderings above are used, as before.
+rendering ``[m[k-1]]`` past their common prefix is message k's piece, and the pieces must follow each other
+in the full text and end exactly where the rendering of the whole conversation (no generation prompt) ends.
+A template that merges turns takes back the end of the previous piece (Qwen2.5 puts consecutive tool
+results in one turn: the next result replaces the ``<|im_end|>`` of the one before); the previous piece is
+then checked without that end, and the message gets the same drift event as its prefix rendering would.
+For the usual templates (each turn rendered from itself and its predecessor) this gives the prefix
+boundaries with O(n) messages rendered; when any piece does not fit, the prefix renderings above are used.
 """
 
 from __future__ import annotations
