@@ -144,3 +144,24 @@ def fill_disk(folder: Path, leave: int = 0) -> Path:
     ballast = folder / "ballast"
     ballast.write_bytes(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
     return ballast
+
+
+def zombie(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def run_processes(run: Path) -> list[str]:
+    """Live processes of the run: those whose command line names a folder of it (every local controller,
+    server and client runner does)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run) in text and not zombie(cmdline.parent.name):
+            found.append(f"{cmdline.parent.name}: {text[:160]}")
+    return found

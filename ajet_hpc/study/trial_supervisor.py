@@ -5,10 +5,11 @@ What a pass decides, per running trial (a trial is one run directory, ``STUDY/tr
 
 - not launched yet (a supervisor stopped between Optuna's ``ask`` and the launch): launch it;
 - new steps in its ``metrics.jsonl``: report the windowed metric to Optuna at each step, and if the pruner
-  says so, cancel the run's jobs (``launch/control.cancel_run``) and mark the trial pruned; a trial that
+  says so, cancel the run's jobs (``launch/control.cancel_job``) and mark the trial pruned; a trial that
   successive halving keeps past a rung gets a ``promoted`` event;
 - a trained server ``failed`` (its rendezvous): cancel what is left, mark the trial failed with its reason;
-- every trained server ``finished``: the trial is complete, its value the metric at the last step;
+- every trained server ``finished``: the trial is complete, its value the metric at the last step; its
+  client jobs still active are cancelled (the server jobs end themselves after their last checkpoint);
 - a server job (or every job) gone without the run finishing: relaunch (resume) the run, up to
   ``max_relaunches`` times, then mark it failed;
 - no new step for ``stall_after`` seconds: cancel it (stalled); the next pass relaunches it.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ajet_hpc.config import load_topology
 from ajet_hpc.launch import registry
 from ajet_hpc.launch.backends import BackendError
-from ajet_hpc.launch.control import cancel_run, task_states
+from ajet_hpc.launch.control import cancel_job, task_states
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.lease import HeldLease, LeaseTiming, acquire_lease
@@ -140,7 +141,10 @@ class Supervisor:
                 return self.fail(number, f"finished without a {self.spec.metric.name} in metrics.jsonl")
             value = values[max(values)]
             self.study.tell(number, value)
-            self.study_dir.event("completed", number, step=last_step, value=value)
+            # its clients stop on their own when they read the server's end; this stops any still waiting
+            # (the server jobs end themselves after their last checkpoint)
+            clients = self.cancel(run, keep={s.name for s in topology.servers})
+            self.study_dir.event("completed", number, step=last_step, value=value, cancel=clients)
             return False
         try:
             gone = self.gone_jobs(run, set(trained))
@@ -230,9 +234,11 @@ class Supervisor:
         self.study_dir.event("launched", number, resume=resume, run=str(run_dir))
         return True
 
-    def cancel(self, run: RunDir) -> list[str]:
+    def cancel(self, run: RunDir, keep: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Stop the run's jobs, but those running any of ``keep`` (server or client group names)."""
         try:
-            return cancel_run(run)
+            jobs = registry.latest(run).values()
+            return [cancel_job(job) for job in jobs if not keep & set(job.targets)]
         except (slurmcli.SlurmError, OSError) as exc:
             return [f"cancel failed: {exc}"]
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import run_module, topology_dict, wait_until, write_topology
+from support import run_module, run_processes, topology_dict, wait_until, write_topology, zombie
 
 from ajet_hpc.storage import rendezvous
 
@@ -42,29 +42,8 @@ def test_detached_local_run_can_be_cancelled(tmp_path: Path) -> None:
     assert cancel.returncode == 0 and server_pid in cancel.stdout
     wait_until(lambda: not (run / "servers" / "policy.json").exists(), 30, "the server to stop")
     wait_until(
-        lambda: not Path(f"/proc/{server_pid}").exists() or _zombie(server_pid), 30, "the process to exit"
+        lambda: not Path(f"/proc/{server_pid}").exists() or zombie(server_pid), 30, "the process to exit"
     )
-
-
-def _zombie(pid: str) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def run_processes(run: Path) -> list[str]:
-    """Live processes of the run: those whose command line names a folder of it (every local controller,
-    server and client runner does)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(run) in text and not _zombie(cmdline.parent.name):
-            found.append(f"{cmdline.parent.name}: {text[:160]}")
-    return found
 
 
 def test_cancel_of_a_detached_run_leaves_no_process_of_it(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from study_support import (
     run_steps,
     study_events,
 )
+from support import run_processes, wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +143,8 @@ def test_study_survives_kills_prunes_and_reports(tmp_path: Path) -> None:
         _release(held)  # a pruned one's controller then takes the supervisor's SIGTERM
 
         assert second.wait(240) == 0, log.read_text()[-3000:]
+        # the study's end leaves no process of any trial (issue 31: their clients stayed, waiting)
+        wait_until(lambda: not run_processes(study_dir), 60, "every process of the study's trials to stop")
     finally:
         _release(locals().get("held") or {})
         for proc in (first, locals().get("second")):
