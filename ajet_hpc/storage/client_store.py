@@ -12,9 +12,16 @@ metadata lives anywhere in the file. So the HDF5 file is a *view*, and durabilit
   | payload``; the payload is canonical UTF-8 JSON (which never holds the byte 0xFF that starts MAGIC). The
   first record is the header (format, group, index, created_at); every other record is one result. The
   journal is born whole (written to a temporary file, fsynced, renamed): it is never seen without its header.
-- ``commit`` appends one record with a single ``write`` and fsyncs it: **a result is committed once its record
-  is fsynced**, and ``commit`` returns only then. The HDF5 row is written after that (columns first, the
-  ``committed`` counter attribute last, then ``flush``); every row carries the crc32 of the result's payload.
+- ``commit`` appends one record with a single ``write``: **a result is committed once its record is written**,
+  and ``commit`` returns only then. It is then in the kernel's page cache: it survives the process being
+  killed. Records reach the storage in group commits: one fsync at most every ``sync_interval_s`` (default
+  2 s) for every record written since, by the commit itself when the interval has passed, else by the store's
+  sync thread when it does, and at ``close``; so a task committing 10 results a second fsyncs once per 20 of
+  them, not once per result (docs/scaling.md). A node that dies loses at most the last interval's records:
+  their episodes were ended at the servers first, and the runner's next start commits them from there
+  (``commit_recorded``), so nothing runs or trains twice. The HDF5 row is written after the record (columns
+  first, the ``committed`` counter attribute last, then ``flush``); every row carries the crc32 of the
+  result's payload.
 - ``open`` reads both files. From the journal it keeps every whole record up to the first torn one (a torn
   tail is what truncation leaves); from the HDF5 file every row under the counter whose checksum matches. The
   store is the journal's results followed by any the HDF5 file holds that the journal lost. Whatever disagrees
@@ -38,6 +45,7 @@ name, and a lease whose heartbeat stopped is taken over (logged).
 
 A commit that fails (disk full, quota, I/O error) leaves the store at its last commit and raises
 :class:`CommitFailed`; so does every later commit: the runner must stop (and a requeue resume from the store).
+A group fsync that fails does the same to every later commit.
 """
 
 from __future__ import annotations
@@ -473,6 +481,8 @@ def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> No
     fsync_dir(path.parent)
 
 
+SYNC_INTERVAL_S = 2.0
+"""Longest time a written record waits for its fsync (the group commit interval)."""
 VIEW_MIN_FREE = 1 << 20
 """Below this much free space, the HDF5 view is closed rather than written: an HDF5 write that fails on a
 full disk can leave the library unable to close the file (a crash, with HDF5 2.0)."""
@@ -563,6 +573,7 @@ class ClientStore:
         results: list[Result],
         hdf5: _Hdf5View,
         lease: HeldLease | None = None,
+        sync_interval_s: float = SYNC_INTERVAL_S,
     ) -> None:
         self.path = path
         self._lease = lease
@@ -578,6 +589,13 @@ class ClientStore:
         self._failed: BaseException | None = None
         self._closed = False
         self._open_key: str | None = None  # set by ``open``: this process's claim on the path
+        self.sync_interval_s = sync_interval_s
+        self.fsyncs = 0  # group fsyncs of the journal so far (docs/scaling.md counts them per commit)
+        self._synced_at = time.monotonic()
+        self._unsynced = False  # records written since the last fsync
+        self._sync_wake = threading.Condition(self._lock)
+        self._syncer = threading.Thread(target=self._sync_loop, name=f"sync {path.name}", daemon=True)
+        self._syncer.start()
 
     @classmethod
     def open(
@@ -588,6 +606,7 @@ class ClientStore:
         index: int,
         lease_timing: LeaseTiming | None = None,
         lease_wait_s: float | None = None,
+        sync_interval_s: float = SYNC_INTERVAL_S,
     ) -> ClientStore:
         """Create the store at ``path``, or reopen it: recover to the last commit, drop anything past it.
 
@@ -610,7 +629,7 @@ class ClientStore:
                 path, timing, timing.timeout_s + timing.heartbeat_s if lease_wait_s is None else lease_wait_s
             )
             try:
-                store = cls._open_leased(path, group, index, lease)
+                store = cls._open_leased(path, group, index, lease, sync_interval_s)
             except BaseException:
                 lease.release()
                 raise
@@ -622,7 +641,9 @@ class ClientStore:
         return store
 
     @classmethod
-    def _open_leased(cls, path: Path, group: str, index: int, lease: HeldLease) -> ClientStore:
+    def _open_leased(
+        cls, path: Path, group: str, index: int, lease: HeldLease, sync_interval_s: float
+    ) -> ClientStore:
         recovered = _recover(path)
         if recovered is None:
             header = {"format": FORMAT, "group": group, "index": int(index), "created_at": time.time()}
@@ -641,7 +662,7 @@ class ClientStore:
             _build_hdf5(path, header, results)
         hdf5 = _Hdf5View(path)
         try:
-            store = cls(path, header, results, hdf5, lease)
+            store = cls(path, header, results, hdf5, lease, sync_interval_s)
         except BaseException:
             hdf5.handle.close()
             raise
@@ -685,11 +706,17 @@ class ClientStore:
             self._append_hdf5(stored)
 
     def _append_journal(self, frame: bytes) -> None:
+        """Write one record; fsync it (and every record before it) when the group interval has passed,
+        else wake the sync thread to do it then. Called with the lock held."""
         try:
             view = memoryview(frame)
             while view:
                 view = view[os.write(self._journal_fd, view) :]
-            os.fsync(self._journal_fd)
+            self._unsynced = True
+            if time.monotonic() - self._synced_at >= self.sync_interval_s:
+                self._fsync()
+            else:
+                self._sync_wake.notify()
         except BaseException as exc:
             self._failed = exc
             try:  # leave no torn record behind, or later records would sit after it
@@ -699,6 +726,35 @@ class ClientStore:
                 log.exception("%s: could not cut a failed append back", self.journal_path)
             raise
         self._journal_size += len(frame)
+
+    def _fsync(self) -> None:
+        """fsync the journal: every record written so far is durable. Called with the lock held."""
+        os.fsync(self._journal_fd)
+        self.fsyncs += 1
+        self._unsynced = False
+        self._synced_at = time.monotonic()
+
+    def _sync_loop(self) -> None:
+        """The group commit: records written within an interval of the last fsync get one fsync when the
+        interval ends. A failed fsync fails the store (every later commit raises ``CommitFailed``)."""
+        with self._lock:
+            while not self._closed:
+                if not self._unsynced or self._failed is not None:
+                    self._sync_wake.wait()
+                    continue
+                due = self._synced_at + self.sync_interval_s - time.monotonic()
+                if due > 0:
+                    self._sync_wake.wait(due)
+                    continue
+                try:
+                    self._fsync()
+                except OSError as exc:
+                    self._failed = exc
+                    log.error(
+                        "%s: fsync of the journal failed (%s): the store takes no more commits",
+                        self.journal_path,
+                        exc,
+                    )
 
     def _append_hdf5(self, result: Result) -> None:
         """The journal already holds the result; a failure here leaves the view to be rebuilt."""
@@ -731,6 +787,12 @@ class ClientStore:
             if self._closed:
                 return
             self._closed = True
+            self._sync_wake.notify()
+            try:
+                if self._unsynced and self._failed is None:
+                    self._fsync()
+            except OSError:
+                log.exception("%s: the last fsync of the journal failed", self.journal_path)
             try:
                 free = _free_bytes(self.path.parent)
                 if self._hdf5 is not None:

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -365,6 +366,46 @@ def test_eight_threads_commit_concurrently(tmp_path: Path) -> None:
     path.unlink()  # the journal alone: one whole record per commit
     assert sorted(result.key for result in read_results(path)) == sorted(expected)
     assert len(record_ends(journal_path(path).read_bytes())) == 82
+
+
+def test_group_commits_fsync_once_per_interval_and_the_sync_thread_catches_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four threads commit 400 results as fast as they can: the journal is fsynced about once per
+    ``sync_interval_s`` (counted at os.fsync), at most 0.1 times per result; a lone commit afterwards is
+    fsynced by the sync thread within the interval, not left for close; all 401 read back."""
+    path = tmp_path / "0.h5"
+    synced: list[int] = []
+    real_fsync = os.fsync
+    store = ClientStore.open(path, group=GROUP, index=INDEX, sync_interval_s=0.5)
+
+    def counted(fd: int) -> None:
+        if fd == store._journal_fd:
+            synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    started = time.monotonic()
+    threads = [
+        threading.Thread(target=lambda t=t: [store.commit(make_result(t * 100 + i)) for i in range(100)])
+        for t in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    assert len(synced) == store.fsyncs <= min(40, elapsed / 0.5 + 2), (len(synced), elapsed)
+    before = store.fsyncs
+    store.commit(make_result(1000))
+    deadline = time.monotonic() + 5
+    while store.fsyncs == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.fsyncs == before + 1 and len(synced) == store.fsyncs  # by the sync thread
+    store.close()
+    assert len(synced) == store.fsyncs  # nothing left unsynced for close
+    with ClientStore.open(path, group=GROUP, index=INDEX) as again:
+        assert len(again.results()) == 401
 
 
 def test_a_failed_append_leaves_no_torn_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
