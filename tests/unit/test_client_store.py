@@ -386,10 +386,12 @@ def test_group_commits_fsync_once_per_interval_and_the_sync_thread_catches_up(
 
     monkeypatch.setattr(os, "fsync", counted)
     started = time.monotonic()
-    threads = [
-        threading.Thread(target=lambda t=t: [store.commit(make_result(t * 100 + i)) for i in range(100)])
-        for t in range(4)
-    ]
+
+    def work(thread: int) -> None:
+        for i in range(100):
+            store.commit(make_result(thread * 100 + i))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
