@@ -27,6 +27,27 @@ TOOLS = [  # the add tool of the built-in MCP server (agents.calculator_mcp), as
 ]
 
 
+# The same tool as verifiers' MCP server lists it (agents.verifiers_tools_example): pydantic's titles kept.
+TITLED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"title": "A", "type": "integer"},
+                    "b": {"title": "B", "type": "integer"},
+                },
+                "required": ["a", "b"],
+                "title": "addArguments",
+            },
+        },
+    }
+]
+
+
 def call(name: str, **arguments: int) -> dict:
     return {"id": "x", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
@@ -45,16 +66,20 @@ SCRIPT: list[tuple[dict[str, Any], dict[str, Any]]] = [
 SYSTEM = {"role": "system", "content": "You are a calculator agent."}
 
 
-def conversation() -> list[dict]:
+def conversation(turns: int = len(SCRIPT)) -> list[dict]:
     messages: list[dict[str, Any]] = [SYSTEM]
-    for sent, answer in SCRIPT:
+    for sent, answer in SCRIPT[:turns]:
         messages += [sent, {"role": "assistant", **answer}]
     return messages
 
 
-def _training_example(tokenizer):
-    """Token ids of the whole conversation and a mask over the assistant answers (plus their end token)."""
-    messages = conversation()
+# What the model learns by heart: the whole script with the tool as our MCP agent offers it, and its first
+# question (tool call, then answer) with the tool as verifiers offers it.
+EXAMPLES = [(conversation(), TOOLS), (conversation(turns=2), TITLED_TOOLS)]
+
+
+def _training_example(tokenizer, messages: list[dict], tools: list[dict]):
+    """Token ids of the conversation and a mask over the assistant answers (plus their end token)."""
     ids: list[int] = []
     mask: list[int] = []
     done = 0
@@ -62,9 +87,9 @@ def _training_example(tokenizer):
         if messages[end - 1]["role"] != "assistant":
             continue
         prompt = tokenizer.apply_chat_template(
-            messages[: end - 1], tools=TOOLS, add_generation_prompt=True, tokenize=False
+            messages[: end - 1], tools=tools, add_generation_prompt=True, tokenize=False
         )
-        full = tokenizer.apply_chat_template(messages[:end], tools=TOOLS, tokenize=False)
+        full = tokenizer.apply_chat_template(messages[:end], tools=tools, tokenize=False)
         context = tokenizer(prompt[done:], add_special_tokens=False)["input_ids"]
         answer_text = full[len(prompt) :].rstrip("\n")  # the answer and its <|im_end|>
         answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
@@ -74,7 +99,7 @@ def _training_example(tokenizer):
     return ids, mask
 
 
-def build_scripted_model(base: Path, dest: Path, max_steps: int = 600) -> Path:
+def build_scripted_model(base: Path, dest: Path, examples=EXAMPLES, max_steps: int = 600) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,24 +107,26 @@ def build_scripted_model(base: Path, dest: Path, max_steps: int = 600) -> Path:
         return dest
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    ids, mask = _training_example(tokenizer)
-    inputs = torch.tensor([ids])
-    targets = torch.tensor(ids[1:])
-    weight = torch.tensor(mask[1:], dtype=torch.bool)
+    batches = []
+    for messages, tools in examples:
+        ids, mask = _training_example(tokenizer, messages, tools)
+        batches.append((torch.tensor([ids]), torch.tensor(ids[1:]), torch.tensor(mask[1:], dtype=torch.bool)))
     # Fused AdamW and logits only where the answers are: with tiny-qwen's 151,936-row vocabulary these make
-    # a step about 2x cheaper (about 110 steps, 30 s on 2 cores; the character-level tiny model takes 3 s).
+    # a step about 2x cheaper.
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     torch.manual_seed(0)
     for _ in range(max_steps):
-        hidden = model.model(inputs).last_hidden_state[0, :-1]
-        logits = model.lm_head(hidden[weight])
-        loss = torch.nn.functional.cross_entropy(logits, targets[weight])
         optimizer.zero_grad()
-        loss.backward()
+        learnt = True
+        for inputs, targets, weight in batches:
+            hidden = model.model(inputs).last_hidden_state[0, :-1]
+            logits = model.lm_head(hidden[weight])
+            loss = torch.nn.functional.cross_entropy(logits, targets[weight])
+            loss.backward()
+            with torch.no_grad():
+                learnt &= bool((logits.argmax(-1) == targets[weight]).all()) and loss.item() < 0.01
         optimizer.step()
-        with torch.no_grad():
-            margin_ok = (logits.argmax(-1) == targets[weight]).all() and loss.item() < 0.01
-        if margin_ok:
+        if learnt:
             break
     else:
         raise RuntimeError(

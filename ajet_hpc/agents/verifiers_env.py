@@ -110,10 +110,10 @@ def task_of(env: vf.Env, data: dict[str, Any]) -> vf.Task:
     return task_type(task_type.data_type().model_validate(data), env.taskset.config.task)
 
 
-def tasks() -> Iterator[dict[str, Any]]:
-    """Task source ``ajet_hpc.agents.verifiers_env:tasks``: every task of the taskset named by
-    ``$AJET_VERIFIERS_TASKSET`` (default: the example), as ``{"id", "taskset", "data"}``."""
-    taskset = os.environ.get(TASKSET_VARIABLE, EXAMPLE)
+def tasks(taskset: str | None = None) -> Iterator[dict[str, Any]]:
+    """Task source ``ajet_hpc.agents.verifiers_env:tasks``: every task of ``taskset``, by default the one
+    named by ``$AJET_VERIFIERS_TASKSET`` (else the example), as ``{"id", "taskset", "data"}``."""
+    taskset = taskset or os.environ.get(TASKSET_VARIABLE, EXAMPLE)
     loaded = vf.load_taskset(vf.resolve_env_config({"taskset": {"id": plugin_id(taskset)}}).taskset)
     for task in loaded:
         data = task.data.model_dump(mode="json", exclude_none=True)

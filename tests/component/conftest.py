@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scripted_model import build_scripted_model
+from scripted_model import EXAMPLES, build_scripted_model
 from server_harness import Harness
 
 from ajet_hpc.engine.model_path import resolve_model
@@ -33,12 +33,12 @@ def tiny_qwen_model(models_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def scripted_model(tiny_model: Path) -> Path:
-    return build_scripted_model(tiny_model, tiny_model.parent / "scripted")
+    return build_scripted_model(tiny_model, tiny_model.parent / "scripted", examples=EXAMPLES[:1])
 
 
 @pytest.fixture(scope="session")
 def scripted_qwen_model(tiny_qwen_model: Path) -> Path:
-    """tiny-qwen taught the script (about 110 training steps, 30 s on 2 cores)."""
+    """tiny-qwen taught the script, with both tool schemas."""
     return build_scripted_model(tiny_qwen_model, tiny_qwen_model.parent / "scripted-qwen")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pydantic
 import pytest
 import yaml
-from scripted_model import TOOLS
+from scripted_model import TITLED_TOOLS, TOOLS
 from support import REPO, run_module, write_topology
 
 from ajet_hpc.agents import calculator
@@ -168,9 +168,8 @@ def launch_shared(folder: Path, topology: dict) -> SharedRun:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedRun, socket.socket]]:
-    """configs/code.yaml for 3 steps on builtin:tiny with two more groups: ``attacks``, whose episodes run
-    hostile code in place of the model's reply (tests.fixture_agents.sandbox_attack), and ``verifiers``,
-    configs/verifiers.yaml's group (a verifiers environment in its own runtime)."""
+    """configs/code.yaml for 3 steps on builtin:tiny with one more group, ``attacks``, whose episodes run
+    hostile code in place of the model's reply (tests.fixture_agents.sandbox_attack)."""
     folder = tmp_path_factory.mktemp("tiny-run")
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
@@ -183,12 +182,10 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedR
             f.write(json.dumps({"id": task_id, **data}) + "\n")
     topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
     topology["servers"][0]["trainer"]["total_steps"] = 3
-    (verifiers_group,) = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]
-    topology["clients"] += [
+    topology["clients"].append(
         {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
-        | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)},
-        verifiers_group | {"name": "verifiers"},
-    ]
+        | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)}
+    )
     yield launch_shared(folder, topology), listener
     listener.close()
 
@@ -247,20 +244,34 @@ print(json.dumps([asyncio.run(score(*case)) for case in json.load(sys.stdin)]))
 """
 
 
-def test_a_verifiers_environment_trains_with_its_own_rewards(
-    tiny_run: tuple[SharedRun, socket.socket],
-) -> None:
-    """configs/verifiers.yaml's group: verifiers drives every episode (its interception server relays the
-    model calls to the episode's endpoint), every one finishes, and its reward is the one verifiers itself
-    gives the stored answer, scored apart from the training (Task.score, the task's own @vf.reward)."""
-    run, _ = tiny_run
-    episodes = [s for s in run.summaries if s["group"] == "verifiers"]
-    assert episodes and all(s["state"] == "finished" or "is finished" in s["reason"] for s in episodes)
-    finished = run.group("verifiers")
-    assert finished and all(s["metadata"]["turns"] >= 1 for s in finished)
+def test_verifiers_environments_train_with_their_own_rewards(tools_run: SharedRun) -> None:
+    """configs/verifiers.yaml's groups: verifiers drives every episode (its interception server relays the
+    model calls to the episode's endpoint) and every one finishes with the reward verifiers itself gives the
+    stored answer, scored apart from the training (Task.score, the task's own @vf.reward). ``reverse`` is
+    one turn; in ``sums`` verifiers serves the task's toolset over MCP, executes the model's real tool calls
+    and asks again with their results: several turns."""
+    episodes = [s for s in tools_run.summaries if s["group"] in ("reverse", "sums")]
+    assert all(s["state"] == "finished" or "is finished" in s["reason"] for s in episodes), episodes
+    finished = [s for s in tools_run.finished if s["group"] in ("reverse", "sums")]
+    assert {s["group"] for s in finished} == {"reverse", "sums"}
     cases = [[s["metadata"]["taskset"], s["metadata"]["task"], s["metadata"]["answer"]] for s in finished]
-    rescored = in_runtime(run.dir, "verifiers", RESCORE_VERIFIERS, cases)
+    rescored = in_runtime(tools_run.dir, "verifiers", RESCORE_VERIFIERS, cases)
     assert rescored == pytest.approx([s["reward"] for s in finished])
+    sums = tools_run.group("sums")
+    with EpisodeReader(tools_run.dir / "data" / "policy.h5") as reader:
+        timelines = [reader.episode(s["episode_id"]).timelines for s in sums]
+    with_tool = [t for t in timelines if any(m.get("role") == "tool" for m in t[-1].messages)]
+    assert len(with_tool) >= len(sums) // 2, [s["metadata"] for s in sums]
+    for timeline in with_tool:
+        messages = timeline[-1].messages
+        call = next(m for m in messages if m.get("tool_calls"))["tool_calls"][0]["function"]
+        answer, refused = _as_mcp_adds(json.loads(call["arguments"]))
+        result = next(m for m in messages if m.get("role") == "tool")["content"]
+        assert call["name"] == "add" and (refused or result == answer)  # executed by verifiers' MCP server
+        assert timeline[-1].tools == TITLED_TOOLS  # the tool as verifiers lists it
+    turns = {s["episode_id"]: s["metadata"]["turns"] for s in sums}
+    assert max(turns.values()) >= 2
+    assert any(s["reward"] == 1.0 for s in sums)
 
 
 def task_data(task_id: str) -> dict:
@@ -305,8 +316,9 @@ REFUSED = {  # (framework, case) -> the field the server's 400 names; every othe
 @pytest.fixture(scope="module")
 def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Path) -> SharedRun:
     """configs/agent_frameworks.yaml (the OpenAI Agents SDK, LangGraph, Pydantic AI, each in its own
-    runtime) plus configs/mcp_tools.yaml's group, for 3 steps on tiny-qwen taught to call the calculator's
-    ``add`` (tests/scripted_model.py); the MCP group's tasks are the script's question."""
+    runtime) plus configs/mcp_tools.yaml's group and configs/verifiers.yaml's two, for 3 steps on tiny-qwen
+    taught to call the calculator's ``add`` (tests/scripted_model.py); the tasks of the MCP group and of
+    verifiers' ``sums`` are the script's question."""
     folder = tmp_path_factory.mktemp("tools-run")
     script = folder / "script.jsonl"
     question = {"question": "What is 2+3? Use the tool.", "tools": ["add"], "answer": 5}
@@ -316,6 +328,16 @@ def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Pat
     topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 4, "lr": 1e-6}
     (mcp_group,) = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())["clients"]
     topology["clients"].append(mcp_group | {"tasks": str(script), "epochs": 4})
+    reverse, sums = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]
+    taskset = "ajet_hpc.agents.verifiers_tools_example"
+    sum_data = {"system_prompt": calculator.SYSTEM, "prompt": question["question"], "answer": 5}
+    sum_script = folder / "verifiers-sums.jsonl"
+    sum_script.write_text(
+        "".join(
+            json.dumps({"id": f"vsum-{k}", "taskset": taskset, "data": sum_data}) + "\n" for k in range(6)
+        )
+    )
+    topology["clients"] += [reverse, sums | {"tasks": str(sum_script), "epochs": 4}]
     return launch_shared(folder, topology)
 
 
