@@ -32,6 +32,7 @@ from ajet_hpc.server.connections import (
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
+from ajet_hpc.trainer import rank_files
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
         for ctx, heartbeat in zip(contexts, heartbeats, strict=True):
             heartbeat.stop()
             _leave(ctx, run.rendezvous_file(ctx.name), heartbeat)
+            if ctx.coordinator is not None:  # its weight exports on this node's disk: nobody reads them now
+                rank_files.remove_local_exports(ctx.coordinator.work_dir)
         sock.close()
     return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
 

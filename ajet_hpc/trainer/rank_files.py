@@ -47,8 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import io
+import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -442,6 +445,21 @@ def staging_dir(work: WorkDir, step: int) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def local_export_root(work_dir: Path) -> Path:
+    """The node-local folder of ``work_dir``'s weight exports: ``$SLURM_TMPDIR`` (Slurm empties it when the
+    job ends), else the temp folder, which nobody empties: the server removes it when it stops
+    (``remove_local_exports``)."""
+    local = Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
+    digest = hashlib.sha1(str(work_dir.resolve()).encode()).hexdigest()[:12]
+    return local / f"ajet-weights-{digest}"
+
+
+def remove_local_exports(work_dir: Path) -> None:
+    """Remove ``work_dir``'s node-local weight exports (a whole model per kept step): nothing reads them
+    once the server stops, and a requeued job exports again from its checkpoint."""
+    shutil.rmtree(local_export_root(work_dir), ignore_errors=True)
 
 
 def discard_after(work: WorkDir, step: int) -> list[str]:

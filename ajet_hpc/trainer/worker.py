@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import hashlib
 import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -356,9 +354,7 @@ def export_root(work_dir: Path) -> Path:
     if os.environ.get(PARENT_HOST_VAR, socket.gethostname()) != socket.gethostname():
         log.warning("rank 0 runs on another host than the server: weight exports go to shared storage")
         return work_dir / "weights"
-    local = Path(os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir())
-    digest = hashlib.sha1(str(work_dir.resolve()).encode()).hexdigest()[:12]
-    return local / f"ajet-weights-{digest}"
+    return rank_files.local_export_root(work_dir)
 
 
 def _parent_alive() -> bool:

@@ -17,6 +17,7 @@ from support import REPO, run_module
 
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.rank_files import local_export_root
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     for row in rows:
         assert row["policy_version"] == row["step"] and row["weight_sync_s"] is not None
     assert (run / "ckpt" / "policy" / "ds" / "trainer_state.json").is_file()
+    assert not local_export_root(run / "ckpt" / "policy").exists()  # the node's disk gets its space back
     server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
     starting = server_log.index("trainer ranks starting while the engine loads")  # Coordinator.prestart
     assert starting < server_log.index("vllm engine: loaded"), server_log[-3000:]
