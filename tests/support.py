@@ -165,3 +165,16 @@ def run_processes(run: Path) -> list[str]:
         if str(run) in text and not zombie(cmdline.parent.name):
             found.append(f"{cmdline.parent.name}: {text[:160]}")
     return found
+
+
+# The trainer settings that make every step off-policy: stale episodes allowed, logprobs recomputed.
+OFF_POLICY = ("servers.policy.trainer.max_staleness=2", "servers.policy.trainer.recompute_logprobs=true")
+
+
+def assert_off_policy_metrics(rows: list[dict], share: str) -> None:
+    """The engine/trainer gap of every step in its metrics row (docs/algorithms.md, Metrics)."""
+    for row in rows:
+        assert 0 <= row["mismatch_kl"] < 1, row  # vLLM's kernels never give exactly the trainer's numbers
+        assert 0 <= row[share] <= 1 and row["is_ratio_min"] <= row["is_ratio_p50"] <= row["is_ratio_max"]
+        assert sum(row["staleness_hist"].values()) == row["samples_before_merge"], row
+        assert max(int(lag) for lag in row["staleness_hist"]) <= 2

@@ -17,7 +17,7 @@ import pydantic
 import pytest
 import yaml
 from scripted_model import TITLED_TOOLS, TOOLS
-from support import REPO, run_module, write_topology
+from support import REPO, assert_off_policy_metrics, run_module, write_topology
 
 from ajet_hpc.agents import calculator
 from ajet_hpc.config import load_topology
@@ -325,7 +325,8 @@ def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Pat
     script.write_text("".join(json.dumps({"id": f"sum-{k}", **question}) + "\n" for k in range(6)))
     topology = yaml.safe_load((REPO / "configs" / "agent_frameworks.yaml").read_text())
     topology["servers"][0] |= {"model": str(scripted_qwen_model)}
-    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 4, "lr": 1e-6}
+    off_policy = {"max_staleness": 2, "recompute_logprobs": True, "off_policy": {"mode": "tis"}}
+    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 4, "lr": 1e-6, **off_policy}
     (mcp_group,) = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())["clients"]
     topology["clients"].append(mcp_group | {"tasks": str(script), "epochs": 4})
     reverse, sums = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]
@@ -350,6 +351,19 @@ def _as_mcp_adds(arguments: dict[str, object]) -> tuple[str, bool]:
     except (KeyError, pydantic.ValidationError):
         return "", True
     return str(a + b), False
+
+
+def test_tiny_qwen_trains_off_policy_with_its_weights_sent_in_memory(tools_run: SharedRun) -> None:
+    """The shared run's trainer on tiny-qwen (Qwen2, tied embeddings, Qwen2.5's byte-level BPE), off-policy
+    (stale episodes allowed, logprobs recomputed, truncated importance sampling): the weights reach vLLM in
+    memory every step, and every episode that trained is in the store."""
+    rows = metrics.read_rows(tools_run.dir / "metrics.jsonl")
+    assert_off_policy_metrics(rows, "is_truncated_frac")
+    for row in rows:
+        assert row["policy_version"] == row["step"]
+        assert row["weight_sync"] == "memory" and row["weight_sync_bytes"] > 0
+        assert row["engine_pause_s"] is not None
+    assert len(tools_run.summaries) >= sum(row["episodes"] for row in rows)
 
 
 def test_tools_over_mcp_train_through_the_built_in_mcp_server(tools_run: SharedRun) -> None:
