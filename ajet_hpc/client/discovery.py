@@ -23,7 +23,12 @@ log = logging.getLogger(__name__)
 
 
 POLL_FIRST_S = 1.0
-POLL_MAX_S = 20.0  # a read of the rendezvous is about two metadata operations (open, fstat)
+POLL_START_S = 5.0
+"""Longest pause in a wait's first minute, when a server normally comes up (its engine loading)."""
+FIRST_MINUTE_S = 60.0
+POLL_PER_OP_S = 10.0
+"""After the first minute: one metadata operation per task per this many seconds. A read of an absent
+rendezvous is one (the failed open), of a present one two (open, fstat)."""
 
 
 class ServerGone(RuntimeError):
@@ -67,15 +72,26 @@ class WaitStopped(RuntimeError):
     """The waiting task was told to stop (SIGTERM, a cancel) while it waited for its server."""
 
 
-def next_poll_s(previous_s: float, first_s: float = POLL_FIRST_S, rng: random.Random | None = None) -> float:
-    """The pause before the next read of an absent server's rendezvous: ``first_s``, doubling, then
-    ``POLL_MAX_S`` with up to a quarter more of jitter, so that thousands of waiting tasks read the shared
-    file system at most once per ``POLL_MAX_S`` each, and not all in the same second."""
-    if previous_s <= 0:
-        return first_s
-    if previous_s * 2 < POLL_MAX_S:
-        return previous_s * 2
-    return POLL_MAX_S * (1 + 0.25 * (rng or random).random())
+def next_poll_s(
+    previous_s: float,
+    elapsed_s: float = 0.0,
+    metadata_ops: int = 1,
+    first_s: float = POLL_FIRST_S,
+    rng: random.Random | None = None,
+) -> float:
+    """The pause before the next read of an away server's rendezvous, ``elapsed_s`` into the wait, the last
+    read having cost ``metadata_ops``. In the first minute: ``first_s``, doubling up to ``POLL_START_S``, so
+    a starting server is found within seconds. Then ``POLL_PER_OP_S`` per operation: 10,000 waiting tasks
+    make at most 1,000 metadata operations a second on the shared file system. Up to a quarter more of
+    jitter at either cap, so that tasks do not all read in the same second."""
+    jitter = 1 + 0.25 * (rng or random).random()
+    if elapsed_s < FIRST_MINUTE_S:
+        if previous_s <= 0:
+            return first_s
+        if previous_s * 2 < POLL_START_S:
+            return previous_s * 2
+        return POLL_START_S * jitter
+    return POLL_PER_OP_S * max(1, metadata_ops) * jitter
 
 
 def wait_for_server(
@@ -89,8 +105,8 @@ def wait_for_server(
     """Block until server ``name`` has a fresh rendezvous file and answers /health.
 
     Re-reads the file on every try, so a server that was requeued onto another node is followed; the
-    pauses between tries grow from ``poll_s`` to ``POLL_MAX_S`` (``next_poll_s``): a read of the file is a
-    metadata operation on shared storage. ``timeout_s=None`` waits for ever (a server may sit in the queue
+    pauses between tries grow from ``poll_s`` (``next_poll_s``): a read of the file is a metadata operation
+    on shared storage. ``timeout_s=None`` waits for ever (a server may sit in the queue
     for hours). Raises ``ServerFinished`` or ``ServerFailed`` as soon as the rendezvous says so,
     ``ServerUnavailable`` after ``timeout_s``, ``WaitStopped`` at once when ``stop`` is set.
     """
@@ -124,7 +140,7 @@ def wait_for_server(
         if now - last_report >= report_every_s:
             log.info("waiting for server %r for %.0fs: %s", name, now - start, why)
             last_report = now
-        pause = next_poll_s(pause, poll_s)
+        pause = next_poll_s(pause, now - start, 1 if record is None else 2, poll_s)
         if timeout_s is not None:
             pause = max(0.0, min(pause, start + timeout_s - now + 0.01))
         if stop is None:

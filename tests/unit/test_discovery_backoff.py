@@ -11,26 +11,32 @@ from pathlib import Path
 
 import pytest
 
-from ajet_hpc.client.discovery import POLL_MAX_S, WaitStopped, next_poll_s, wait_for_server
+from ajet_hpc.client.discovery import POLL_PER_OP_S, WaitStopped, next_poll_s, wait_for_server
 from ajet_hpc.storage.rundir import RunDir
 
 
-def reads_in(seconds: float, seed: int) -> list[float]:
+def reads_in(seconds: float, seed: int, metadata_ops: int) -> list[float]:
     rng, now, pause, reads = random.Random(seed), 0.0, 0.0, []
     while now < seconds:
         reads.append(now)
-        pause = next_poll_s(pause, rng=rng)
+        pause = next_poll_s(pause, now, metadata_ops, rng=rng)
         now += pause
     return reads
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_an_away_server_is_read_ever_less_often_then_at_most_every_20_s_with_jitter(seed: int) -> None:
-    reads = reads_in(3600, seed)
-    after_first_minute = [t for t in reads if t >= 60]
-    gaps = [b - a for a, b in itertools.pairwise(after_first_minute)]
-    assert all(POLL_MAX_S <= gap <= POLL_MAX_S * 1.25 for gap in gaps)  # at most 3 reads a minute
-    assert len([t for t in reads if t < 60]) <= 8  # 1, 2, 4, 8, 16 s, then the cap
+@pytest.mark.parametrize("metadata_ops", [1, 2])  # the file absent (a failed open), or there (open, fstat)
+def test_an_away_server_is_read_often_in_the_first_minute_then_once_per_10_s_per_operation(
+    seed: int, metadata_ops: int
+) -> None:
+    reads = reads_in(3600, seed, metadata_ops)
+    first_minute = [t for t in reads if t < 60]
+    assert first_minute[:4] == [0, 1, 3, 7] and len(first_minute) <= 16  # 1, 2, 4 s, then every 5-6.25 s
+    assert all(b - a <= 6.25 for a, b in itertools.pairwise(first_minute))  # a starting server found soon
+    after = [t for t in reads if t >= 60]
+    gaps = [b - a for a, b in itertools.pairwise(after)]
+    budget = POLL_PER_OP_S * metadata_ops  # one metadata operation per 10 s: 1,000/s for 10,000 tasks
+    assert all(budget <= gap <= budget * 1.25 for gap in gaps)
     assert len(set(round(g, 3) for g in gaps)) > len(gaps) // 2  # jittered: tasks drift apart
 
 
