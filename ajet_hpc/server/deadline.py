@@ -21,8 +21,9 @@ from ajet_hpc.slurm import slurmcli
 
 log = logging.getLogger(__name__)
 
-POLL_S = 30.0
-"""Longest sleep between two reads of the end time."""
+POLL_S = 60.0
+"""Longest time between two reads of the end time: at most one ``scontrol show job`` a minute per server
+(docs/scaling.md), however long the server takes to serve."""
 
 
 def save_at(end_time: float | None, signal_delay_s: float) -> float | None:
@@ -81,8 +82,10 @@ class DeadlineWatch(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        end, read_at = None, -float("inf")
         while not self.stopped.is_set():
-            end = self.end_time()
+            if time.monotonic() - read_at >= self.poll_s:  # not on every wake-up: a Slurm RPC each
+                end, read_at = self.end_time(), time.monotonic()
             wait = next_wait(save_at(end, self.signal_delay_s), time.time(), self.poll_s)
             if wait is None:
                 log.info("deadline: the job has no time limit; no time-limit save")

@@ -3,6 +3,7 @@ must (``ajet_hpc.server.preemption``); the time-limit alarm and its arithmetic (
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -152,19 +153,22 @@ def test_end_time_comes_from_scontrol_else_the_environment() -> None:
 
 def test_deadline_watch_fires_once_when_serving_and_never_after_training(monkeypatch) -> None:
     fired: list[str] = []
+    reads: list[float] = []
     ready = threading.Event()
     end = time.time() + 60.5
+
+    def end_time() -> float:
+        reads.append(time.monotonic())
+        return end
+
     watch = deadline.DeadlineWatch(
-        60,
-        end_time=lambda: end,
-        fire=fired.append,
-        ready=ready.is_set,
-        finished=lambda: False,
-        poll_s=0.05,
+        60, end_time=end_time, fire=fired.append, ready=ready.is_set, finished=lambda: False, poll_s=1.0
     )
     watch.start()
-    time.sleep(0.7)
+    time.sleep(1.5)
     assert fired == []  # the server does not serve yet
+    # past the save time, waiting for the server, it wakes every 0.5 s but asks Slurm once per poll_s
+    assert 1 <= len(reads) <= 2 and all(b - a >= 1.0 for a, b in itertools.pairwise(reads))
     ready.set()
     watch.join(timeout=5)
     assert len(fired) == 1 and fired[0].startswith("time limit in")
