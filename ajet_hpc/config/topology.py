@@ -737,6 +737,13 @@ class ClientGroupConfig(JobResources):
         description="Restarts of an array task's runner that died without finishing (killed, crashed, out "
         "of memory), in its allocation; each resumes from the task's store. Then the array task fails.",
     )
+    max_resubmits: int = Field(
+        default=2,
+        ge=0,
+        description="Times an array task that died whole (a node failure, the OOM killer, kill -9 of all "
+        "its processes: Slurm says NODE_FAIL, OUT_OF_MEMORY, BOOT_FAIL or FAILED by a signal) is submitted "
+        "again, by the keeper of the group's first server (Slurm only); it resumes from its store. 0: never.",
+    )
     eval: EvalConfig | None = Field(
         default=None,
         description="Held-out evaluation during training: an eval group '<name>-eval' runs this group's "

@@ -45,7 +45,7 @@ def _pid_state(pid: int) -> str:
 def task_states(job: SubmittedJob) -> list[TaskState]:
     if job.backend == "local":
         return [TaskState(job.name, task, _pid_state(int(task)), "local") for task in job.tasks]
-    found = {s.job_id: s for s in slurmcli.job_states([job.job_id])}
+    found = {s.job_id: s for s in slurmcli.job_states(job.job_ids)}
     states = []
     for task in job.tasks:
         s = found.get(task)
@@ -195,8 +195,8 @@ def cancel_job(job: SubmittedJob) -> str:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(state.task_id), signal.SIGTERM)
         return f"{job.name}: sent SIGTERM to local process(es) {', '.join(s.task_id for s in active)}"
-    slurmcli.cancel([job.job_id])
-    return f"{job.name}: scancel {job.job_id}"
+    slurmcli.cancel(job.job_ids)
+    return f"{job.name}: scancel {' '.join(job.job_ids)}"
 
 
 def wait_stopped(job: SubmittedJob, timeout_s: float, poll_s: float = 1.0) -> list[TaskState]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.storage.rundir import RunDir
@@ -18,6 +18,15 @@ class SubmittedJob:
     log_dir: str  # relative to the run directory
     targets: list[str]  # server / client group names this job runs
     submitted_at: float = field(default_factory=time.time)
+    indices: list[int] | None = None  # array indices it runs again (tasks[k] is index indices[k]); None: all
+    python: str | None = None  # the python its tasks run with (a client group's runtime)
+
+    @property
+    def job_ids(self) -> list[str]:
+        """The Slurm jobs its tasks belong to: one, or more once array tasks were resubmitted."""
+        if self.backend != "slurm":
+            return [self.job_id]
+        return list(dict.fromkeys(task.split("_")[0] for task in self.tasks)) or [self.job_id]
 
 
 def load(run: RunDir) -> list[SubmittedJob]:
@@ -31,8 +40,31 @@ def record(run: RunDir, jobs: list[SubmittedJob]) -> None:
 
 
 def latest(run: RunDir) -> dict[str, SubmittedJob]:
-    """The most recent submission of each job name."""
+    """The most recent submission of each job name; array tasks resubmitted since (``indices``) take the
+    places of the tasks they replace."""
     newest: dict[str, SubmittedJob] = {}
     for job in load(run):
-        newest[job.name] = job
+        base = newest.get(job.name)
+        if job.indices is None or base is None:
+            newest[job.name] = job
+            continue
+        tasks = list(base.tasks)
+        for index, task in zip(job.indices, job.tasks, strict=True):
+            if 0 <= index < len(tasks):
+                tasks[index] = task
+        newest[job.name] = replace(base, tasks=tasks)
     return newest
+
+
+def resubmissions(run: RunDir, name: str) -> dict[int, int]:
+    """How many times each array index of job ``name`` was resubmitted since its last whole submission."""
+    counts: dict[int, int] = {}
+    for job in load(run):
+        if job.name != name:
+            continue
+        if job.indices is None:
+            counts = {}
+            continue
+        for index in job.indices:
+            counts[index] = counts.get(index, 0) + 1
+    return counts

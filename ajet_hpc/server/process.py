@@ -10,6 +10,8 @@ import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -290,9 +292,12 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     unregister = preemption.on_signal(lambda budget_s: _save_on_signal(contexts, budget_s))
     server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
     watch = _watch_deadline(job, cluster.signal_delay_s, server, contexts)
+    keeper = _start_keeper(run, topology, config.name) if job.on_slurm else None
     try:
         server.run(sockets=[sock])
     finally:
+        if keeper is not None:
+            keeper.terminate()
         if watch is not None:
             watch.stop()
         unregister()
@@ -303,6 +308,16 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
                 rank_files.remove_local_exports(ctx.coordinator.work_dir)
         sock.close()
     return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
+
+
+def _start_keeper(run: RunDir, topology: Topology, server: str) -> subprocess.Popen[bytes] | None:
+    """The keeper of the client arrays whose first model this server serves (``launch/keeper.py``: it
+    submits again the array tasks that died whole), as a child process; None when no group has
+    ``max_resubmits``. A process of its own: submitting jobs is the launcher's code, not the server's."""
+    groups = [*topology.clients, *topology.eval_groups.values()]
+    if not any(g.max_resubmits and topology.host_of(g.servers[0]).name == server for g in groups):
+        return None
+    return subprocess.Popen([sys.executable, "-m", "ajet_hpc.launch.keeper", str(run.root), server])
 
 
 def uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:

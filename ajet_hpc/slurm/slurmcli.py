@@ -81,6 +81,7 @@ class JobState:
     partition: str
     nodes: str  # node list, '' while pending
     reason: str
+    exit_code: str = ""  # "code:signal" once it ended, as scontrol prints it (0:9: killed by SIGKILL)
 
 
 def _parse_scontrol_record(text: str) -> dict[str, str]:
@@ -153,6 +154,7 @@ def job_states(job_ids: Iterable[str]) -> list[JobState]:
                         partition=rec.get("Partition", ""),
                         nodes="" if nodes == "(null)" else nodes,
                         reason=rec.get("Reason", ""),
+                        exit_code=rec.get("ExitCode", ""),
                     )
                 )
     return states
