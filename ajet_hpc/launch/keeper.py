@@ -41,7 +41,7 @@ from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ajet_hpc.launch.keeper")  # also when run as __main__
 
 POLL_S = 60.0
 POLL_VAR = "AJET_KEEPER_POLL_S"
