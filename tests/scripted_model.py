@@ -27,25 +27,16 @@ TOOLS = [  # the add tool of the built-in MCP server (agents.calculator_mcp), as
 ]
 
 
-# The same tool as verifiers' MCP server lists it (agents.verifiers_tools_example): pydantic's titles kept.
-TITLED_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "a": {"title": "A", "type": "integer"},
-                    "b": {"title": "B", "type": "integer"},
-                },
-                "required": ["a", "b"],
-                "title": "addArguments",
-            },
-        },
-    }
-]
+def titled(tool: dict) -> dict:
+    """``tool`` as pydantic's schemas give it (verifiers' MCP server lists it so): a title on every parameter,
+    first, and one on the whole, last; the template renders keys in this order."""
+    function, parameters = tool["function"], tool["function"]["parameters"]
+    properties = {name: {"title": name.title(), **spec} for name, spec in parameters["properties"].items()}
+    arguments = {**parameters, "properties": properties, "title": f"{function['name']}Arguments"}
+    return {**tool, "function": {**function, "parameters": arguments}}
+
+
+TITLED_TOOLS = [titled(tool) for tool in TOOLS]
 
 
 def call(name: str, **arguments: int) -> dict:

@@ -77,15 +77,31 @@ class SlurmBackend:
     def submit(self, job: Planned, run: RunDir, cluster: ClusterConfig) -> SubmittedJob:
         if isinstance(job, HetJobSpec):
             return self.hetjobs.submit(job, run, cluster)
+        return self._submit(job, run, cluster, None)
+
+    def resubmit(self, job: JobSpec, run: RunDir, cluster: ClusterConfig, indices: list[int]) -> SubmittedJob:
+        """Submit the array tasks ``indices`` of client job ``job`` again (one sbatch: an array of them, its
+        k-th task running index ``indices[k]``); the entry's ``indices`` say which ones they replace."""
+        return self._submit(job, run, cluster, list(indices))
+
+    def _submit(
+        self, job: JobSpec, run: RunDir, cluster: ClusterConfig, indices: list[int] | None
+    ) -> SubmittedJob:
         folder = run.job_log_dir(job.name)
-        python = shlex.quote(job.python or self.python)
-        executor = submitit.SlurmExecutor(folder=folder, python=python, max_num_timeout=100)
-        executor.update_parameters(**slurm_parameters(job, run, cluster))
+        python = job.python or self.python
+        executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(python), max_num_timeout=100)
+        params = slurm_parameters(job, run, cluster)
+        if indices is not None:  # an array of the resubmitted indices only
+            params.pop("array_parallelism", None)
+            if len(indices) > 1:
+                params["array_parallelism"] = len(indices)
+        executor.update_parameters(**params)
         try:
             if job.kind == "server":
                 submitted = [executor.submit(ServerJob(str(run.root), job.target))]
             else:
-                submitted = executor.map_array(ClientJob(str(run.root), job.target), range(job.array or 1))
+                arguments = range(job.array or 1) if indices is None else indices
+                submitted = executor.map_array(ClientJob(str(run.root), job.target), arguments)
         except submitit.core.utils.FailedJobError as exc:
             raise BackendError(f"{job.name}: sbatch refused the job: {exc}") from exc
         tasks = [j.job_id for j in submitted]
@@ -96,33 +112,6 @@ class SlurmBackend:
             tasks=tasks,
             log_dir=str(Path(folder).relative_to(run.root)),
             targets=[job.target],
-            python=job.python or self.python,
-        )
-
-    def resubmit(self, job: JobSpec, run: RunDir, cluster: ClusterConfig, indices: list[int]) -> SubmittedJob:
-        """Submit the array tasks ``indices`` of client job ``job`` again (one sbatch: an array of them, its
-        k-th task running index ``indices[k]``); the entry's ``indices`` say which ones they replace."""
-        folder = run.job_log_dir(job.name)
-        python = job.python or self.python
-        executor = submitit.SlurmExecutor(folder=folder, python=shlex.quote(python), max_num_timeout=100)
-        params = slurm_parameters(job, run, cluster)
-        if len(indices) > 1:
-            params["array_parallelism"] = len(indices)
-        else:
-            params.pop("array_parallelism", None)
-        executor.update_parameters(**params)
-        try:
-            submitted = executor.map_array(ClientJob(str(run.root), job.target), indices)
-        except submitit.core.utils.FailedJobError as exc:
-            raise BackendError(f"{job.name}: sbatch refused the resubmission: {exc}") from exc
-        tasks = [j.job_id for j in submitted]
-        return SubmittedJob(
-            name=job.name,
-            backend=self.name,
-            job_id=tasks[0].split("_")[0],
-            tasks=tasks,
-            log_dir=str(Path(folder).relative_to(run.root)),
-            targets=[job.target],
-            indices=list(indices),
+            indices=indices,
             python=python,
         )
