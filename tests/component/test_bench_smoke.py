@@ -39,7 +39,15 @@ SMOKE = [
     pytest.param(
         "store.py",
         ["--smoke"],
-        ["size_ratio", "write_eps", "read_ms_10k", "read_ms_100k", "write_eps_group", "fsyncs_per_episode"],
+        [
+            "size_ratio",
+            "write_eps",
+            "read_ms_10k",
+            "read_ms_100k",
+            "write_eps_group",
+            "fsyncs_per_episode",
+            "fsyncs_per_episode_client",
+        ],
         id="store",
     ),
     pytest.param(

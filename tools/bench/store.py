@@ -17,10 +17,14 @@ Group commit (the server's recorder, ``EpisodeRecorder``): groups of 64 such epi
 (as when many agents end at once), each group waited for with ``flush``; episodes per second from the first
 submit to the last flush (``write_eps_group``), and the fsyncs of the store per episode, counted by the
 writer itself (``fsyncs_per_episode``). The same episodes submitted one at a time, each waited for (every
-episode its own commit, as before group commit), in the same run for the ratio. Ends with one line::
+episode its own commit, as before group commit), in the same run for the ratio.
+
+The client store's group commits (``ClientStore``, one per array task): a busy task, 4 episodes in flight
+committing 10 results a second between them for 10 s (``--smoke``: 3 s), its journal's fsyncs counted at
+``os.fsync`` (``fsyncs_per_episode_client``; one per result before group commits). Ends with one line::
 
     RESULT size_ratio=<jsonl/hdf5> write_eps=<episodes/s> read_ms_10k=<ms> read_ms_100k=<ms>
-           write_eps_group=<episodes/s> fsyncs_per_episode=<n>
+           write_eps_group=<episodes/s> fsyncs_per_episode=<n> fsyncs_per_episode_client=<n>
 
 Everything is written under a temporary folder (or ``--dir``) and removed at the end.
 """
@@ -36,6 +40,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +53,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ajet_hpc.server.recorder import EpisodeRecorder  # noqa: E402
+from ajet_hpc.storage.client_store import ClientStore  # noqa: E402
+from ajet_hpc.storage.client_store import Result as ClientResult  # noqa: E402
 from ajet_hpc.storage.episode_store_reader import EpisodeReader  # noqa: E402
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter  # noqa: E402
 from ajet_hpc.storage.records import EpisodeRecord  # noqa: E402
@@ -303,6 +310,45 @@ def group_commits(folder: Path, groups: int) -> Groups:
     return Groups(n / seconds, fsyncs / n, commits, n / single_s, single_fsyncs / n)
 
 
+def client_commits(folder: Path, seconds: float, rate: float = 10.0, in_flight: int = 4) -> tuple[int, int]:
+    """(results, journal fsyncs) of a client store whose ``in_flight`` threads commit ``rate`` results a
+    second between them for ``seconds``; the fsyncs counted at ``os.fsync`` on the store's journal."""
+    store = ClientStore.open(folder / "client" / "0.h5", group="bench", index=0)
+    real_fsync, synced = os.fsync, [0]
+
+    def counted(fd: int) -> None:
+        synced[0] += fd == store._journal_fd
+        real_fsync(fd)
+
+    os.fsync = counted  # type: ignore[assignment]  # counting, then the real call
+    start, counter, lock = time.perf_counter(), [0], threading.Lock()
+
+    def agent() -> None:
+        while True:
+            with lock:
+                k = counter[0]
+                counter[0] += 1
+            due = start + k / rate
+            if due - start >= seconds:
+                return
+            time.sleep(max(0.0, due - time.perf_counter()))
+            store.commit(
+                ClientResult(f"task-{k}", 0, 1.0, {"policy": 1.0}, {"policy": f"ep-{k}"}, "user: 2+3?\n5", {},
+                             time.time())
+            )  # fmt: skip
+
+    try:
+        threads = [threading.Thread(target=agent) for _ in range(in_flight)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        store.close()
+    finally:
+        os.fsync = real_fsync
+    return len(store.results()), synced[0]
+
+
 def write_store(h5: Path, n: int, checkpoint: int, rng: np.random.Generator) -> dict:
     corpus = Corpus()
     ids, appends, cpu, tokens, reads = [], [], 0.0, 0, {}
@@ -346,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         small = small_appends(folder, 20) if args.smoke else small_appends(folder)
         groups = group_commits(folder, args.groups or (1 if args.smoke else 8 if args.quick else 32))
+        client = client_commits(folder, 3.0 if args.smoke else 10.0)
         child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
         child.start()
         run = write_store(h5, n, checkpoint, rng)
@@ -360,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         h5_size, jsonl_size = h5.stat().st_size, jsonl.stat().st_size
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    report(n, run, small, groups, summaries_s, h5_size, jsonl_size, checkpoint)
+    report(n, run, small, groups, client, summaries_s, h5_size, jsonl_size, checkpoint)
     return 0
 
 
@@ -369,6 +416,7 @@ def report(
     run: dict,
     small: tuple,
     groups: Groups,
+    client: tuple[int, int],
     summaries_s: float,
     h5_size: int,
     jsonl_size: int,
@@ -402,10 +450,13 @@ def report(
         f"{groups.single_eps:.0f} episodes/s, {groups.single_fsyncs_per_episode:.3f} fsyncs per episode; "
         f"ratio {groups.eps / groups.single_eps:.2f}"
     )
+    results, fsyncs = client
+    print(f"client store, 10 results/s from 4 threads: {results} results, {fsyncs} journal fsyncs")
     print(
         f"RESULT size_ratio={jsonl_size / h5_size:.2f} write_eps={write_eps:.0f} "
         f"read_ms_10k={run['reads'][checkpoint].median_ms:.2f} read_ms_100k={run['reads'][n].median_ms:.2f} "
-        f"write_eps_group={groups.eps:.0f} fsyncs_per_episode={groups.fsyncs_per_episode:.3f}"
+        f"write_eps_group={groups.eps:.0f} fsyncs_per_episode={groups.fsyncs_per_episode:.3f} "
+        f"fsyncs_per_episode_client={fsyncs / results:.3f}"
     )
 
 
