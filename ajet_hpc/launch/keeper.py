@@ -65,8 +65,15 @@ def kept_groups(topology: Topology, server: str) -> list[ClientGroupConfig]:
     return [g for g in groups if g.max_resubmits > 0 and topology.host_of(g.servers[0]).name == server]
 
 
-def keep_once(run: RunDir, topology: Topology, groups: list[ClientGroupConfig], backend: SlurmBackend) -> int:
-    """One pass: resubmit the dead tasks of ``groups``; the number of tasks submitted again."""
+def keep_once(
+    run: RunDir,
+    topology: Topology,
+    groups: list[ClientGroupConfig],
+    backend: SlurmBackend,
+    given_up: set[str],
+) -> int:
+    """One pass: resubmit the dead tasks of ``groups``; the number of tasks submitted again. A task left
+    dead (its resubmits spent) is logged once and added to ``given_up``."""
     jobs = registry.latest(run)
     resubmitted = 0
     for group in groups:
@@ -84,6 +91,9 @@ def keep_once(run: RunDir, topology: Topology, groups: list[ClientGroupConfig], 
                 continue
             (again if done.get(index, 0) < group.max_resubmits else spent).append((index, task, state))
         for index, task, state in spent:
+            if task in given_up:
+                continue
+            given_up.add(task)
             log.error(
                 "client task %s[%d] (job %s) died (%s, exit %s) and was resubmitted %d time(s) already "
                 "(clients[].max_resubmits): left dead",
@@ -127,11 +137,12 @@ def keep(run: RunDir, server: str, parent: int, stop: threading.Event, poll_s: f
         server, ", ".join(g.name for g in groups), poll_s,
     )  # fmt: skip
     backend = SlurmBackend(python=sys.executable)
+    given_up: set[str] = set()
     while not stop.wait(poll_s):
         if os.getppid() != parent or server_over(run, server):  # the server process is gone, or done
             return
         try:
-            keep_once(run, topology, groups, backend)
+            keep_once(run, topology, groups, backend, given_up)
         except (slurmcli.SlurmError, BackendError, OSError) as exc:  # next pass tries again
             log.warning("keeper of %s: this pass failed (%s)", server, exc)
 
