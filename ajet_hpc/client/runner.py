@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from ajet_hpc import fault_injection
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, WaitStopped, wait_for_server
@@ -182,7 +184,9 @@ class GroupTask:
         """Run ``repeats`` episodes of each task (the servers reached), skipping the (task, repeat) pairs
         committed in the group's stores or ended at the servers; returns when all have ended."""
         done = self.store.committed()
-        elsewhere = committed_in_group(self.rundir, self.group.name, mine=self.store.path) - done
+        elsewhere: set[tuple[str, int]] = set()
+        if resharded(self.rundir, self.group):  # else only this index's store holds keys of its shard
+            elsewhere = committed_in_group(self.rundir, self.group.name, mine=self.store.path) - done
         if done or elsewhere:
             log.info(
                 "resuming: %d results already committed in %s, %d by other tasks of group %s",
@@ -504,6 +508,29 @@ def _server_failure(exc: BaseException) -> ServerAway | None:
             return ServerError(f"the agent's model call got HTTP {seen.status_code}: {seen.message}")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+SHARDING_FIELDS = ("array", "tasks", "max_tasks", "epochs")
+"""What decides which tasks an array index runs (`task_sources.assigned_tasks`)."""
+
+
+def resharded(run: RunDir, group: ClientGroupConfig) -> bool:
+    """Whether an earlier topology of the run split ``group``'s tasks over its indices otherwise (a hot swap
+    or a forced relaunch changed its array size or its tasks): then keys of this index's shard may be
+    committed in other stores. Without that, a task opens no store but its own: at the start of a large
+    array, every task reading every other's store would cost the file system tasks² opens. An earlier
+    topology that cannot be read counts as resharded (the safe side)."""
+    now = {name: getattr(group, name) for name in SHARDING_FIELDS}
+    for path in run.earlier_topologies():
+        try:
+            clients = (yaml.safe_load(path.read_text()) or {}).get("clients") or []
+            before = next((c for c in clients if c.get("name") == group.name), None)
+        except (OSError, yaml.YAMLError, AttributeError) as exc:
+            log.warning("cannot read %s (%s): reading every store of group %s", path, exc, group.name)
+            return True
+        if before is not None and any(before.get(name) != value for name, value in now.items()):
+            return True
+    return False
 
 
 def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, int]]:

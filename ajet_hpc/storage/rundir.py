@@ -193,6 +193,11 @@ class RunDir:
         write_bytes_atomic(self.topology_file, dump_topology(topology).encode())
         return kept
 
+    def earlier_topologies(self) -> list[Path]:
+        """The topologies this run had before (``topology.<time>.yaml``, kept by a hot swap or a forced
+        relaunch), oldest first."""
+        return sorted(self.root.glob("topology.*.yaml"))
+
     def _history_name(self) -> Path:
         """A free ``topology.<time>[-N].yaml`` for the topology being replaced."""
         stamp = time.strftime("%Y%m%d-%H%M%S")

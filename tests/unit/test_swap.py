@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support import topology_dict
 
-from ajet_hpc.client.runner import committed_in_group
+from ajet_hpc.client.runner import committed_in_group, resharded
 from ajet_hpc.client.session import ClientStopping, EpisodeAPI
 from ajet_hpc.config import load_topology
 from ajet_hpc.launch import control, registry, swap
@@ -224,6 +224,23 @@ def test_a_runner_skips_what_any_store_of_its_group_committed(tmp_path: Path) ->
     (folder / "2.h5").unlink()  # the journal alone still counts
     assert committed_in_group(run, "math", mine=folder / "0.h5") == {("t1", 0), ("t3", 1), ("t2", 0)}
     assert committed_in_group(run, "other", mine=folder / "0.h5") == set()
+
+
+def test_a_runner_reads_other_stores_only_when_the_group_was_split_otherwise(run: RunDir) -> None:
+    """A task opens no store but its own unless an earlier topology sharded its group otherwise: at the start
+    of a 10,000-task array, every task reading every other store would be 10^8 opens."""
+    group = run.load_topology().clients[0]
+    assert not resharded(run, group)  # never swapped
+    kept = run.replace_topology(run.load_topology())  # a swap that changed the agent only
+    assert not resharded(run, group)
+    old = yaml.safe_load(kept.read_text())
+    old["clients"][0]["array"] = 5  # the array was 5 tasks before
+    kept.write_text(yaml.safe_dump(old))
+    assert resharded(run, group)
+    kept.write_text("{not yaml")  # unreadable: the safe side
+    assert resharded(run, group)
+    kept.write_text(yaml.safe_dump({**old, "clients": []}))  # the group was added later
+    assert not resharded(run, group)
 
 
 def test_drain_aborts_open_episodes_and_begins_no_more() -> None:

@@ -1,0 +1,167 @@
+"""The server of ``scale.py``: the real server process with an engine and trainer ranks that cost nothing.
+
+    python tools/bench/scale_server.py serve RUN      # what ``python -m ajet_hpc.server RUN`` runs, except:
+    python tools/bench/scale_server.py ranks WORKDIR  # (started by the server) the no-op trainer ranks
+
+``serve`` runs ``ajet_hpc.server.process.serve`` (bind, assemble, auth, recorder and store, collector,
+coordinator, rendezvous and heartbeat, uvicorn with the guarded protocol) with two parts replaced, for
+measurement only:
+
+- the engine is ``zero_engine.ZeroEngine`` (the model's tokenizer; every answer instant), built where the
+  server would build its real engine (``assembly.create_engine``);
+- the trainer ranks are this file's ``ranks``, started where the coordinator starts the real ones
+  (``coordinator.start_ranks``). They speak the real file protocol (``rank_files``, ``worker.look``):
+  ``ready.json``, batch in, result out, checkpoints committed as ``trainer_state.json``; each step consumes
+  its batch and trains nothing. The weights they hand over are an empty folder, which the zero engine
+  "loads" by taking the step as its policy version.
+
+Nothing here is a user option: a topology cannot name this engine or these ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for folder in (REPO, HERE):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from ajet_hpc.config import TrainerConfig  # noqa: E402
+from ajet_hpc.storage.files import write_json_atomic  # noqa: E402
+from ajet_hpc.trainer import rank_files  # noqa: E402
+from ajet_hpc.config.placement import Placement  # noqa: E402
+from ajet_hpc.trainer.rank_files import (  # noqa: E402
+    RESUME_LIMIT_VAR,
+    Batch,
+    DiskWeights,
+    StepResult,
+    TrainerState,
+    WorkDir,
+)
+from ajet_hpc.trainer.sync_plan import SyncPlan  # noqa: E402
+
+
+def zero_engine(kind: str, model_path: Path, **settings: Any):
+    """Stands in for ``ajet_hpc.engine.create_engine``: the server's engine settings, a zero engine."""
+    from zero_engine import ZeroEngine
+
+    return ZeroEngine(model_path, int(settings["max_model_len"]))
+
+
+def start_noop_ranks(
+    work_dir: Path,
+    model_dir: Path,
+    config: TrainerConfig,
+    *,
+    on_slurm: bool,
+    placement: Placement,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    sync: SyncPlan | None = None,
+) -> subprocess.Popen:
+    """Stands in for ``rank_launcher.start_ranks``: the same stale files cleared, this file's ``ranks``."""
+    work = WorkDir(Path(work_dir).absolute())
+    work.root.mkdir(parents=True, exist_ok=True)
+    for stale in (work.stop, work.save_request, work.save_refused, work.ready):
+        stale.unlink(missing_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, __file__, "ranks", str(work.root)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ if env is None else env),
+            start_new_session=True,
+        )
+
+
+def serve(run_dir: str) -> int:
+    from ajet_hpc.server import assembly, process
+    from ajet_hpc.trainer import coordinator
+
+    assembly.create_engine = zero_engine  # type: ignore[assignment]
+    coordinator.start_ranks = start_noop_ranks  # type: ignore[assignment]
+    return process.serve(run_dir)
+
+
+def ranks(work_dir: str) -> int:
+    """One rank that trains nothing: resumes from the committed checkpoint as the real ranks do
+    (``resume_point`` with the coordinator's last recorded step), then answers every batch at once."""
+    from ajet_hpc.trainer.worker import POLL_S, Control, look
+
+    work = WorkDir(Path(work_dir))
+    work.ds.mkdir(parents=True, exist_ok=True)
+    weights = work.root / "noop-weights"
+    weights.mkdir(exist_ok=True)
+    step = _resume_step(work, os.environ.get(RESUME_LIMIT_VAR))
+    ready: dict[str, Any] = {"step": step, "world_size": 1, "zero_stage": 0, "device": "cpu"}
+    if step:
+        ready.update(DiskWeights(weights).to_json())
+    write_json_atomic(work.ready, {**ready, "pid": os.getpid(), "weight_sync": "disk"})
+    while True:
+        found = look(work, step)
+        if isinstance(found, Batch):
+            step = found.step
+            if found.save_checkpoint:
+                _commit(work, step)
+            rank_files.write_result(work, _result(found, weights))
+        elif found is Control.SAVE:
+            _commit(work, step)
+            work.save_request.unlink(missing_ok=True)
+        elif found is Control.STOP:
+            return 0
+        else:
+            time.sleep(POLL_S)
+
+
+def _resume_step(work: WorkDir, recorded: str | None) -> int:
+    state = rank_files.read_trainer_state(work)
+    if state is None:
+        return 0
+    point, _ = rank_files.resume_point(state, int(recorded) if recorded else None)
+    rank_files.uncommit_checkpoint(work, point)
+    return point.step if point is not None else 0
+
+
+def _commit(work: WorkDir, step: int) -> None:
+    tag = rank_files.step_name(step)
+    (work.ds / tag).mkdir(parents=True, exist_ok=True)
+    state = TrainerState(step=step, tag=tag, world_size=1, zero_stage=0, rng_files=[])
+    rank_files.commit_checkpoint(work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state))
+
+
+def _result(batch: Batch, weights: Path) -> StepResult:
+    return StepResult(
+        step=batch.step,
+        loss=0.0,
+        kl=0.0,
+        entropy=0.0,
+        clip_frac=0.0,
+        grad_norm=math.nan,
+        tokens=sum(sum(sample.loss_mask) for sample in batch.samples),
+        samples=len(batch.samples),
+        step_time_s=0.0,
+        export_time_s=0.0,
+        checkpoint=batch.save_checkpoint,
+        checkpoint_time_s=0.0,
+        weights=DiskWeights(weights),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("serve", "ranks"):
+        raise SystemExit("usage: scale_server.py serve RUN | ranks WORKDIR")
+    return serve(args[1]) if args[0] == "serve" else ranks(args[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
