@@ -482,6 +482,12 @@ def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> No
 
 
 SYNC_INTERVAL_S = 2.0
+LEASE_TIMING = LeaseTiming(heartbeat_s=60.0, timeout_s=240.0)
+"""A client store's writer lease: one heartbeat a minute (an fsync of the lease file, no name looked up:
+``lease.HeldLease.renew``), so that 10,000 tasks make about 170 heartbeat fsyncs a second, not 2,000. The
+price: a task that dies on a node that stays up elsewhere (another host, another Slurm job) leaves a lease
+that its successor takes over after 4 minutes; a dead process on the same host, or a requeue of the same
+job, is taken over at once."""
 """Longest time a written record waits for its fsync (the group commit interval)."""
 VIEW_MIN_FREE = 1 << 20
 """Below this much free space, the HDF5 view is closed rather than written: an HDF5 write that fails on a
@@ -624,7 +630,7 @@ class ClientStore:
                 )
             _open_here.add(key)
         try:
-            timing = lease_timing or LeaseTiming()
+            timing = lease_timing or LEASE_TIMING
             lease = _take_lease(
                 path, timing, timing.timeout_s + timing.heartbeat_s if lease_wait_s is None else lease_wait_s
             )

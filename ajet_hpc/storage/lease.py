@@ -14,6 +14,7 @@ well within that timeout: NTP does).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -35,6 +36,7 @@ from ajet_hpc.storage.h5_layout import StoreError
 log = logging.getLogger(__name__)
 
 _TRIES = 20  # rounds of look-and-take before giving up on a lease that keeps changing
+LEASE_BYTES = 512  # a lease file's length (longer only if its JSON is: a very long host name)
 _EXPIRED = "its heartbeat is older than its timeout"  # the one stale case where the holder may be alive
 
 
@@ -81,7 +83,10 @@ class Lease:
         return f"host {self.host}, pid {self.pid}{job}, last heartbeat {self.age():.1f} s ago"
 
     def to_bytes(self) -> bytes:
-        return (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode()
+        """The file's content: JSON, padded with spaces to at least ``LEASE_BYTES`` (a heartbeat rewrites
+        the file in place; a fixed length keeps its size, so a renewal changes no metadata but the time)."""
+        text = json.dumps(asdict(self), indent=2, sort_keys=True)
+        return (text.ljust(LEASE_BYTES - 1) + "\n").encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, path: Path) -> Lease:
@@ -114,6 +119,10 @@ def _read(path: Path) -> Lease | None:
         except OSError as exc:  # NFS: the file we looked up was renamed over meanwhile
             if exc.errno != errno.ESTALE or attempt == 4:
                 raise
+        except StoreError:  # read while its holder rewrote it in place: the next read is whole
+            if attempt == 4:
+                raise
+            time.sleep(0.01)
     return None
 
 
@@ -288,6 +297,7 @@ class HeldLease:
         self._on_lost = weakref.WeakMethod(on_lost)
         self._lock = threading.Lock()
         self._confirmed = time.monotonic() - max(0.0, lease.age())  # our last heartbeat known to be ours
+        self._fd = self._open_own()  # the lease file, for heartbeats in place (None: renew by rename)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"lease-{store.name}", daemon=True)
         self._thread.start()
@@ -306,13 +316,73 @@ class HeldLease:
                     callback()
                 return
 
+    def _open_own(self) -> int | None:
+        """The lease file opened for writing, if it holds our lease (checked through the descriptor)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            log.debug(
+                "%s: cannot open the lease to renew it in place (%s): renewing by rename", self.path, exc
+            )
+            return None
+        if self._holds_ours(fd):
+            return fd
+        os.close(fd)
+        return None
+
+    def _holds_ours(self, fd: int) -> bool:
+        """Whether the file behind ``fd`` is still linked (no lease was renamed over it) and holds our token."""
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            return False
+        try:
+            current = Lease.from_bytes(os.pread(fd, max(st.st_size, LEASE_BYTES), 0), self.path)
+        except StoreError:
+            return False
+        return current.token == self.lease.token
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def _renew_in_place(self, renewed: Lease, started: float) -> bool:
+        """The heartbeat of a healthy holder: rewrite the lease through its open descriptor and fsync it, no
+        name looked up. Only while our last renewal is younger than half the timeout: nobody may take a
+        lease over before its whole timeout, so the file is still ours (``_holds_ours`` checks it anyway).
+        False: renew by rename (``renew``), which reads the lease by its name."""
+        if self._fd is None or started - self._confirmed >= self.timing.timeout_s / 2:
+            return False
+        try:
+            if not self._holds_ours(self._fd):
+                return False
+            data = renewed.to_bytes()
+            size = os.fstat(self._fd).st_size
+            if len(data) < size:  # written by rename with a longer JSON: keep the length
+                data = data[:-1].ljust(size - 1) + b"\n"
+            os.pwrite(self._fd, data, 0)
+            os.fsync(self._fd)  # visible to a taker on another node (NFS flushes on fsync or close)
+        except OSError as exc:
+            log.warning("%s: renewing the lease in place failed (%s): renewing by rename", self.path, exc)
+            return False
+        self.lease, self._confirmed = renewed, started
+        return True
+
     def renew(self) -> None:
-        """Write a new heartbeat if the lease is still ours; else mark it lost (``self.lost``)."""
+        """Write a new heartbeat if the lease is still ours; else mark it lost (``self.lost``).
+
+        A healthy holder rewrites the file in place (``_renew_in_place``: no metadata operation but the
+        fsync); after a stall, or when that fails, the new lease is written under a temporary name, the
+        lease is read by its name, and the new one renamed over it if it is still ours."""
         with self._lock:
             if self.lost is not None:
                 return
             started = time.monotonic()
             renewed = replace(self.lease, heartbeat_at=time.time())
+            if self._renew_in_place(renewed, started):
+                return
+            self._close_fd()
             tmp = _write_tmp(self.path, renewed)  # the slow part (fsync) before the check, not after it
             try:
                 try:
@@ -327,6 +397,7 @@ class HeldLease:
             finally:
                 tmp.unlink(missing_ok=True)
             self.lease, self._confirmed = renewed, started
+            self._fd = self._open_own()
 
     def _lost_message(self, current: Lease | None) -> str:
         who = f"it now names {current.describe()}" if current else "its file was removed or overwritten"
@@ -351,6 +422,8 @@ class HeldLease:
     def stop(self) -> None:
         """Stop the heartbeat, leave the file (it goes stale: the holder was dropped without closing)."""
         self._stop.set()
+        with self._lock:
+            self._close_fd()
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease file if it is still ours."""
@@ -358,6 +431,7 @@ class HeldLease:
         if self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
+            self._close_fd()
             if self.lost is not None:
                 return
             try:

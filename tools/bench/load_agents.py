@@ -84,6 +84,13 @@ def write_run(workdir: Path, engine: str, max_tokens: int) -> Path:
         ],
         "clients": [],
     }
+    return prepare_run(workdir, topology)
+
+
+def prepare_run(workdir: Path, topology: dict) -> Path:
+    """The run directory of ``topology`` (its ``run.dir``), written by ``python -m ajet_hpc.launch
+    --no-submit`` as a user's launch writes it."""
+    run = Path(topology["run"]["dir"])
     path = workdir / "topology-in.yaml"
     path.write_text(yaml.safe_dump(topology, sort_keys=False))
     done = subprocess.run(
@@ -111,11 +118,12 @@ class Server:
         return "(no log)"
 
 
-def start_server(run: Path, timeout_s: float = 300) -> Server:
+def start_server(run: Path, timeout_s: float = 300, command: list[str] | None = None) -> Server:
+    """``python -m ajet_hpc.server RUN`` (or ``command``), once it published its rendezvous."""
     log = run.parent / "server.log"
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "ajet_hpc.server", str(run)],
+            command or [sys.executable, "-m", "ajet_hpc.server", str(run)],
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -308,10 +308,11 @@ class OurApi:
     """Requests against our server: the episode API with a run token (the challenge proves the server holds
     the secret; the secret itself is never sent), chat calls with episode tokens."""
 
-    def __init__(self, port: int, secret: str) -> None:
+    def __init__(self, port: int, secret: str, url: str | None = None) -> None:
+        """``url``: where the server says it is (its rendezvous), if not 127.0.0.1 (the challenge names it)."""
         from ajet_hpc.client.handshake import fetch_run_token
 
-        self.port, self.secret = port, fetch_run_token(f"http://127.0.0.1:{port}", secret)
+        self.port, self.secret = port, fetch_run_token(url or f"http://127.0.0.1:{port}", secret)
         self.begin_raw = request_bytes("POST", "/v1/episodes", port, {"task_id": "bench"}, self.secret)
 
     def end_raw(self, episode_id: str) -> bytes:

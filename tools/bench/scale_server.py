@@ -135,7 +135,9 @@ def _commit(work: WorkDir, step: int) -> None:
     tag = rank_files.step_name(step)
     (work.ds / tag).mkdir(parents=True, exist_ok=True)
     state = TrainerState(step=step, tag=tag, world_size=1, zero_stage=0, rng_files=[])
-    rank_files.commit_checkpoint(work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state))
+    rank_files.commit_checkpoint(
+        work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state)
+    )
 
 
 def _result(batch: Batch, weights: Path) -> StepResult:
