@@ -331,7 +331,7 @@ class HeldLease:
         return None
 
     def _holds_ours(self, fd: int) -> bool:
-        """Whether the file behind ``fd`` is still linked (no lease was renamed over it) and holds our token."""
+        """Whether the file behind ``fd`` is still linked (no lease was renamed over it), with our token."""
         st = os.fstat(fd)
         if st.st_nlink == 0:
             return False

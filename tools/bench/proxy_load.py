@@ -309,7 +309,8 @@ class OurApi:
     the secret; the secret itself is never sent), chat calls with episode tokens."""
 
     def __init__(self, port: int, secret: str, url: str | None = None) -> None:
-        """``url``: where the server says it is (its rendezvous), if not 127.0.0.1 (the challenge names it)."""
+        """``url``: where the server says it is (its rendezvous), if not 127.0.0.1 (the challenge names
+        it)."""
         from ajet_hpc.client.handshake import fetch_run_token
 
         self.port, self.secret = port, fetch_run_token(url or f"http://127.0.0.1:{port}", secret)

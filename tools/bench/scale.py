@@ -33,11 +33,12 @@ consume the episodes: the coordinator's seconds per step (``coordinator_s`` of `
 **The measured client task.** ``strace -f`` records its path calls, fsyncs and commands
 (``scale_trace.py``). Healthy: its metadata operations on the run directory per minute from when every
 level was open until the release (while its server answers and its episodes wait). Its fsyncs per
-committed episode from the release until it ended (its episodes ending: group commits, then its close), and
-per minute while its episodes wait (the writer lease's heartbeat). Away: the server is killed (SIGKILL; its rendezvous file stays, as
-after a node failure), a fresh task of the group starts under strace and waits for it; its metadata
-operations per minute from ``--away-after-s`` on, for ``--away-window-s`` (the bound is for waits past their
-first minute; the first minute is reported apart). Slurm commands: those both traced tasks ran.
+committed episode from the release until it ended (its episodes ending: group commits, then its close),
+and per minute while its episodes wait (the writer lease's heartbeat). Away: the server is killed
+(SIGKILL; its rendezvous file stays, as after a node failure), a fresh task of the group starts under
+strace and waits for it; its metadata operations per minute from ``--away-after-s`` on, for
+``--away-window-s`` (the bound is for waits past their first minute; the first minute is reported
+apart). Slurm commands: those both traced tasks ran.
 
 Ends with one line::
 
@@ -194,7 +195,8 @@ class Processes:
     """The client processes, each in its own process group, stopped at the end whatever happens."""
 
     def __init__(self, logs: Path) -> None:
-        self.logs, self.all = logs, []
+        self.logs = logs
+        self.all: list[subprocess.Popen] = []
 
     def start(self, name: str, command: list[str]) -> subprocess.Popen:
         with (self.logs / f"{name}.log").open("ab") as out:
@@ -374,8 +376,9 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 row = Level(level, rss_kb(server.popen.pid), sockets(server.popen.pid))
                 probe(target, secret, plan.probe_s, row)
                 report.levels.append(row)
+                took = time.monotonic() - started
                 print(
-                    f"{level:>6} open (in {time.monotonic() - started:.0f} s): server {row.rss_kb / 1024:.0f} MiB, "
+                    f"{level:>6} open (in {took:.0f} s): server {row.rss_kb / 1024:.0f} MiB, "
                     f"{row.sockets} sockets; probe {row.chat_rps:.0f} chat/s p50 {row.p50_ms:.1f} ms "
                     f"p99 {row.p99_ms:.1f} ms, server {row.cpu_ms:.2f} ms CPU per call ({row.errors} errors)",
                     flush=True,
@@ -449,7 +452,7 @@ def result_line(plan: Plan, report: Report) -> str:
     bottom, top = report.levels[0], report.levels[-1]
     probes = sum(level.probe_rss_kb for level in report.levels[:-1])
     per_episode_kb = (top.rss_kb - bottom.rss_kb - probes) / (top.open - bottom.open)
-    fields = {"open_episodes": top.open}
+    fields: dict[str, float] = {"open_episodes": top.open}
     for name in ("chat_rps", "p50_ms", "p99_ms", "cpu_ms"):
         fields.update({f"{name}_{level.open}": round(getattr(level, name), 1) for level in report.levels})
     fields.update(

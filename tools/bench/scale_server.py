@@ -36,9 +36,9 @@ for folder in (REPO, HERE):
         sys.path.insert(0, str(folder))
 
 from ajet_hpc.config import TrainerConfig  # noqa: E402
+from ajet_hpc.config.placement import Placement  # noqa: E402
 from ajet_hpc.storage.files import write_json_atomic  # noqa: E402
 from ajet_hpc.trainer import rank_files  # noqa: E402
-from ajet_hpc.config.placement import Placement  # noqa: E402
 from ajet_hpc.trainer.rank_files import (  # noqa: E402
     RESUME_LIMIT_VAR,
     Batch,
@@ -87,8 +87,8 @@ def serve(run_dir: str) -> int:
     from ajet_hpc.server import assembly, process
     from ajet_hpc.trainer import coordinator
 
-    assembly.create_engine = zero_engine  # type: ignore[assignment]
-    coordinator.start_ranks = start_noop_ranks  # type: ignore[assignment]
+    assembly.create_engine = zero_engine
+    coordinator.start_ranks = start_noop_ranks
     return process.serve(run_dir)
 
 

@@ -21,15 +21,77 @@ from dataclasses import dataclass
 from pathlib import Path
 
 METADATA_CALLS = frozenset(
-    """open openat openat2 creat stat lstat stat64 lstat64 newfstatat fstatat64 statx access faccessat
-    faccessat2 readlink readlinkat rename renameat renameat2 unlink unlinkat mkdir mkdirat rmdir link linkat
-    symlink symlinkat chmod fchmodat chown lchown fchownat utime utimes utimensat futimesat truncate
-    getxattr lgetxattr listxattr llistxattr setxattr lsetxattr removexattr lremovexattr statfs chdir
-    mknod mknodat inotify_add_watch""".split()
+    [
+        "open",
+        "openat",
+        "openat2",
+        "creat",
+        "stat",
+        "lstat",
+        "stat64",
+        "lstat64",
+        "newfstatat",
+        "fstatat64",
+        "statx",
+        "access",
+        "faccessat",
+        "faccessat2",
+        "readlink",
+        "readlinkat",
+        "rename",
+        "renameat",
+        "renameat2",
+        "unlink",
+        "unlinkat",
+        "mkdir",
+        "mkdirat",
+        "rmdir",
+        "link",
+        "linkat",
+        "symlink",
+        "symlinkat",
+        "chmod",
+        "fchmodat",
+        "chown",
+        "lchown",
+        "fchownat",
+        "utime",
+        "utimes",
+        "utimensat",
+        "futimesat",
+        "truncate",
+        "getxattr",
+        "lgetxattr",
+        "listxattr",
+        "llistxattr",
+        "setxattr",
+        "lsetxattr",
+        "removexattr",
+        "lremovexattr",
+        "statfs",
+        "chdir",
+        "mknod",
+        "mknodat",
+        "inotify_add_watch",
+    ]
 )
 FSYNC_CALLS = frozenset({"fsync", "fdatasync", "sync_file_range"})
 SLURM_COMMANDS = frozenset(
-    "squeue sbatch scontrol sacct scancel srun salloc sinfo sstat sprio sshare sacctmgr strigger".split()
+    [
+        "squeue",
+        "sbatch",
+        "scontrol",
+        "sacct",
+        "scancel",
+        "srun",
+        "salloc",
+        "sinfo",
+        "sstat",
+        "sprio",
+        "sshare",
+        "sacctmgr",
+        "strigger",
+    ]
 )
 _LINE = re.compile(r"^(?P<pid>\d+)\s+(?P<t>\d+\.\d+)\s+(?P<call>\w+)\((?P<args>.*)$")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
@@ -76,10 +138,9 @@ def count(trace: Path, under: Path, start: float = 0.0, end: float = float("inf"
         if match is None or "resumed>" in line:  # a call's second half: counted at its first
             continue
         call, args = match["call"], match["args"]
-        if call == "execve":
-            if first_exec:  # the traced command itself
-                first_exec = False
-                continue
+        if call == "execve" and first_exec:  # the traced command itself
+            first_exec = False
+            continue
         if not start <= float(match["t"]) < end:
             continue
         if call == "execve":
