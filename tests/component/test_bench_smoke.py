@@ -124,3 +124,29 @@ def test_benchmark_runs_in_its_quickest_mode(script: str, args: list[str], keys:
     found = result_line(done.stdout)
     missing = [key for key in keys if key not in found]
     assert not missing, f"{script}: RESULT line lacks {missing}: {found}"
+
+
+def test_scale_smoke_meets_the_bounds_that_hold_at_any_size() -> None:
+    """``scale.py --smoke`` (48 open episodes on the real server over the zero engine, one client task under
+    strace): unlike the other smoke runs, some of its figures are bounds that do not depend on the size: a
+    client task whose server answers makes no metadata operation on the run directory, no client task runs
+    a Slurm command, the probe's calls all succeed, and every held episode is committed (the script exits 1
+    otherwise). The rates and the away figures (its window is the first minute here) are not checked."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "scale.py"), "--smoke"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"scale.py --smoke exited {done.returncode}:\n{output[-4000:]}"
+    found = result_line(done.stdout)
+    keys = ["api_ratio_48_vs_16", "mem_per_open_episode_kb", "store_commits_per_s", "coordinator_s_per_step"]
+    keys += ["metaops_per_task_min_away", "fsyncs_per_episode_client", "server_sockets_48"]
+    assert not [key for key in keys if key not in found], found
+    assert found["metaops_per_task_min_healthy"] == 0, found
+    assert found["slurm_cmds_per_task"] == 0, found
+    assert found["probe_errors"] == 0, found

@@ -10,25 +10,28 @@
 
 **The run.** ``python -m ajet_hpc.launch --no-submit`` writes a run as a user's launch would: one server
 (built-in tiny model's tokenizer, a trainer of 1 rank, ``max_staleness`` 100) and one client group
-(``scale_agent:hold``, ``in_flight`` episodes per array task, each task's shard ``in_flight / repeats``
-tasks of ``repeats`` episodes). The server is the real server process with a zero-cost engine and no-op
-trainer ranks (``scale_server.py``: everything else, auth, recorder and store, collector, coordinator and
-its file protocol, is the real code). The client tasks are the real runner: task 0 as its own process
-(``python -m ajet_hpc.client``, the measured task, under ``strace``), the others many to a process
-(``scale_clients.py``). Their episodes make one chat call, then stay open until the harness releases them.
+(``scale_agent:hold``, ``in_flight`` episodes per array task; each task's shard is ``2 x in_flight /
+repeats`` tasks of ``repeats`` episodes). The server is the real server process with a zero-cost engine
+and no-op trainer ranks (``scale_server.py``: everything else, auth, recorder and store, collector,
+coordinator and its file protocol, is the real code). The client tasks are the real runner: task 0 as its
+own process (``python -m ajet_hpc.client``, the measured task, under ``strace``), the others many to a
+process (``scale_clients.py``). Their first ``in_flight`` episodes make one chat call, then stay open until
+the harness releases them.
 
 **At each level** the harness starts the client tasks that bring the server's open episodes (``/v1/status``)
-to that number, then reads the server's resident memory and open sockets, then runs a probe: 32
-closed-loop agents (``load_agents.drive``: begin, 2 chat calls, end, with the real ``openai`` client) for
-a few seconds: chat requests per second and their p50/p99 latency. The engine answers instantly, so the
-latency is what the server (and the probe's own client) adds. Memory per open episode is the growth of the
-server's resident memory from the lowest level to the highest, less what the probes in between added (the
-probe's episodes stay in the collector), over the episodes opened in between: an upper bound, it includes
-each episode's messages.
+to that number, waits until the client processes are idle, reads the server's resident memory and open
+sockets, then runs a probe: 64 closed-loop episodes of 4 chat calls (``proxy_load``'s lean HTTP client
+on uvloop, so that the probe is not the bottleneck) for a warm-up second and a window: chat requests per
+second, their p50/p99 latency, and the server's CPU per chat call (its begins and ends included). The
+engine answers instantly, so the latency is what the server (and the probe's own client) adds. Memory per
+open episode is the growth of the server's resident memory from the lowest level to the highest, less what
+the probes in between added (the probe's episodes stay in the collector), over the episodes opened in
+between: an upper bound, it includes each episode's messages.
 
-**Release.** SIGUSR1 lets every held episode end (second chat call, end, client store commit). Measured:
-client store commits per second from the release until the last task ended, then the training steps that
-consume the episodes: the coordinator's seconds per step (``coordinator_s`` of ``metrics.jsonl``).
+**Release.** SIGUSR1 lets every held episode end (second chat call, end, client store commit); each task
+then runs its second ``in_flight`` episodes straight through. Measured: client store commits per second
+from the release until the last task ended, then the training steps that consume the episodes: the
+coordinator's seconds per step (``coordinator_s`` of ``metrics.jsonl``).
 
 **The measured client task.** ``strace -f`` records its path calls, fsyncs and commands
 (``scale_trace.py``). Healthy: its metadata operations on the run directory per minute from when every
@@ -88,6 +91,9 @@ from ajet_hpc.trainer.rank_files import WorkDir  # noqa: E402
 MODEL, GROUP, REPEATS = "policy", "swarm", 8
 TASKS_PER_PROCESS = 16
 PROBE_CLIENTS = 64
+ROUNDS = 2
+"""Episodes per task: ROUNDS x in_flight. The first in_flight are held; after the release the rest run at
+once, so that the measured task commits under load."""
 
 
 @dataclass
@@ -145,7 +151,7 @@ class Report:
 
 # ------------------------------------------------------------------------------------------ the run
 def write_run(workdir: Path, plan: Plan) -> Path:
-    tasks_per_index = plan.in_flight // REPEATS
+    tasks_per_index = ROUNDS * plan.in_flight // REPEATS
     topology = {
         "run": {"name": "scale", "dir": str(workdir / "run")},
         "cluster": {"backend": "local"},
@@ -229,6 +235,26 @@ class Processes:
             except subprocess.TimeoutExpired:
                 return False
         return True
+
+    def wait_quiet(self, limit_s: float, cores: float = 0.05) -> None:
+        """Until the client processes use less than ``cores`` (over half a second), at most ``limit_s``:
+        the probe measures the server, not the clients' start."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            before = self.cpu_seconds()
+            time.sleep(0.5)
+            if self.cpu_seconds() - before < cores * 0.5:
+                return
+        print(f"    (the client processes were still busy after {limit_s:.0f} s)", flush=True)
+
+    def cpu_seconds(self) -> float:
+        ticks = 0
+        for popen in self.all:
+            for pid in group_members(popen.pid):
+                with contextlib.suppress(OSError, IndexError):
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.signal(signal.SIGTERM)
@@ -370,7 +396,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 opened += count
                 started = time.monotonic()
                 wait_open(http, server.url, auth, level, 120 + level / 10, clients)
-                time.sleep(1.0)  # the last begins' answers reach their agents
+                clients.wait_quiet(60)  # the last begins' answers reached their agents, threads settled
                 if level == plan.levels[0]:
                     healthy_from = time.time()
                 row = Level(level, rss_kb(server.popen.pid), sockets(server.popen.pid))
@@ -393,8 +419,10 @@ def measure(plan: Plan, workdir: Path) -> Report:
             committed = [len(read_results(run.client_store(GROUP, i))) for i in range(opened)]
             report.committed_0 = committed[0]
             report.commits_per_s = sum(committed) / (ended - released)
-            if sum(committed) != plan.levels[-1]:
-                raise SystemExit(f"{sum(committed)} results committed, not {plan.levels[-1]} (logs: {logs})")
+            if sum(committed) != ROUNDS * plan.levels[-1]:
+                raise SystemExit(
+                    f"{sum(committed)} results committed, not {ROUNDS * plan.levels[-1]} (logs: {logs})"
+                )
             print(f"released: {sum(committed)} results committed in {ended - released:.1f} s", flush=True)
             report.steps, report.coordinator_s = wait_steps(run, plan, server.popen.pid)
             report.busy = scale_trace.count(trace0, run.root, released)
@@ -427,7 +455,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
 
 def wait_steps(run: RunDir, plan: Plan, pid: int, timeout_s: float = 180) -> tuple[int, float]:
     """The steps the released episodes make, and the coordinator's median seconds per step."""
-    expected = plan.levels[-1] // (plan.tasks_per_batch * REPEATS)
+    expected = ROUNDS * plan.levels[-1] // (plan.tasks_per_batch * REPEATS)
     deadline = time.monotonic() + timeout_s
     rows: list[dict] = []
     while time.monotonic() < deadline:
