@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import time
 from collections import Counter, OrderedDict
@@ -90,6 +91,34 @@ class CollectorStats:
 Key = tuple[str, str]  # (client group, task id): the same task id in two groups is two tasks
 
 
+INCOMPLETE_SCAN_KEYS = 256
+"""Tasks waiting in the pool above which `_drop_incomplete` looks through it at most once a second."""
+
+
+class _Pool(OrderedDict[Key, list[EpisodeData]]):
+    """The finished episodes waiting for a batch, per task, and how many complete task groups they make
+    (``len // repeats`` per task), kept as the pool changes: an episode's arrival then costs no scan of
+    the pool (thousands of episodes wait in it when thousands are open). Lists are replaced, never
+    changed in place (``append``)."""
+
+    def __init__(self, repeats: int) -> None:
+        super().__init__()
+        self.repeats = repeats
+        self.complete = 0
+
+    def __setitem__(self, key: Key, episodes: list[EpisodeData]) -> None:
+        old = self.get(key)
+        self.complete += len(episodes) // self.repeats - (0 if old is None else len(old) // self.repeats)
+        super().__setitem__(key, episodes)
+
+    def __delitem__(self, key: Key) -> None:
+        self.complete -= len(self[key]) // self.repeats
+        super().__delitem__(key)
+
+    def append(self, key: Key, episode: EpisodeData) -> None:
+        self[key] = [*self.get(key, ()), episode]
+
+
 @dataclass
 class BatchCollector:
     """``mix`` (client group -> share of a batch's tasks, summing to 1) makes every batch hold
@@ -104,7 +133,7 @@ class BatchCollector:
     ended_count: Callable[[str, str], int] | None = None  # (group, task) -> repeats that ended so far
 
     def __post_init__(self) -> None:
-        self._pending: OrderedDict[Key, list[EpisodeData]] = OrderedDict()  # finished episodes per task
+        self._pending = _Pool(self.config.repeats)  # finished episodes per task
         self._changed = asyncio.Event()
         self._version = 0
         self._quotas = quotas(self.config.tasks_per_batch, self.mix) if self.mix else None
@@ -115,6 +144,7 @@ class BatchCollector:
         self._invalid: dict[str, str] = {}  # carried over from a batch that trained nothing
         self._collect_s = 0.0  # time spent in tries since the last batch
         self._in_transit: Counter[Key] = Counter()  # finished, on their way to the store (``announce``)
+        self._incomplete_checked = -math.inf  # when `_drop_incomplete` last looked through the pool
         self.closed = False  # set once training is over: later episodes are recorded, not collected
 
     # The registry calls this for every closed episode (finished, aborted, dropped).
@@ -136,7 +166,7 @@ class BatchCollector:
         if self.closed or episode.state != EpisodeState.FINISHED or not episode.timelines:
             return
         self.stats.received += 1
-        self._pending.setdefault(key, []).append(episode)
+        self._pending.append(key, episode)
         self._changed.set()
 
     def restore(self, episodes: Sequence[EpisodeData]) -> None:
@@ -183,9 +213,14 @@ class BatchCollector:
     def _drop_stale(self, version: int) -> int:
         dropped = 0
         for key in list(self._pending):
-            fresh = [e for e in self._pending[key] if not self._is_stale(e, version)]
-            dropped += len(self._pending[key]) - len(fresh)
-            self._dropped_ids += [e.episode_id for e in self._pending[key] if self._is_stale(e, version)]
+            fresh: list[EpisodeData] = []
+            stale: list[EpisodeData] = []
+            for episode in self._pending[key]:
+                (stale if self._is_stale(episode, version) else fresh).append(episode)
+            dropped += len(stale)
+            self._dropped_ids += [e.episode_id for e in stale]
+            if not stale:
+                continue
             if fresh:
                 self._pending[key] = fresh
             else:
@@ -195,9 +230,15 @@ class BatchCollector:
         return dropped
 
     def _drop_incomplete(self) -> None:
-        """Drop the unfinished task group of each task whose missing repeats can no longer arrive."""
+        """Drop the unfinished task group of each task whose missing repeats can no longer arrive. A large
+        pool (thousands of open episodes) is looked through at most once a second: the check reads every
+        task's count of ended repeats, and nothing is lost by dropping a dead group a second later."""
         if self.repeats_of is None or self.ended_count is None or self.config.batch_policy != "tasks":
             return
+        now = time.monotonic()
+        if len(self._pending) > INCOMPLETE_SCAN_KEYS and now - self._incomplete_checked < 1.0:
+            return
+        self._incomplete_checked = now
         repeats = self.config.repeats
         for key in list(self._pending):
             group, task = key
@@ -250,9 +291,11 @@ class BatchCollector:
         return batch
 
     def _try_batch(self, now: float | None, version: int) -> Batch | None:
-        dropped = self._drop_stale(version)
-        self._drop_incomplete()
         repeats, wanted = self.config.repeats, self.config.tasks_per_batch
+        self._drop_incomplete()
+        if self.config.batch_policy == "tasks" and self._quotas is None and self._pending.complete < wanted:
+            return None  # too few task groups, stale or not: no scan of every episode waiting
+        dropped = self._drop_stale(version)
         if self.config.batch_policy == "episodes":
             if sum(len(group) for group in self._pending.values()) < wanted * repeats:
                 return None
@@ -290,13 +333,15 @@ class BatchCollector:
         groups, skipped = [], 0
         for key in list(self._pending):
             episodes = self._pending[key]
-            while len(episodes) >= repeats:
-                group, episodes = episodes[:repeats], episodes[repeats:]
+            whole = len(episodes) - len(episodes) % repeats
+            for start in range(0, whole, repeats):
+                group = episodes[start : start + repeats]
                 if self.config.skip_equal_groups and len({e.reward for e in group}) == 1:
                     skipped += 1
                     self._dropped_ids += [e.episode_id for e in group]
                 else:
                     groups.append(group)
+            episodes = episodes[whole:]
             if episodes:
                 self._pending[key] = episodes
             else:

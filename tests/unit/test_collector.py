@@ -147,3 +147,31 @@ def test_restored_and_stale_episodes_are_counted_in_the_next_batch() -> None:
     add_tasks(collector, "math", 1, start=1)
     second = collector.try_batch()
     assert second is not None and (second.recovered, second.dropped_stale, second.dropped_ids) == (0, 0, [])
+
+
+def test_an_arrival_scans_no_waiting_episode_until_a_batch_can_form(monkeypatch) -> None:
+    """Thousands of open episodes mean thousands waiting in the pool: each arrival used to check every one
+    of them for staleness and re-slice every task's list. Now the pool counts its complete task groups as
+    it changes; below a batch's worth nothing is scanned, and the count always equals a recount."""
+    collector = BatchCollector(config(tasks_per_batch=4, repeats=2, skip_equal_groups=False))
+    checked: list[str] = []
+    real = collector._is_stale
+    monkeypatch.setattr(collector, "_is_stale", lambda e, v: checked.append(e.episode_id) or real(e, v))
+
+    def recount() -> int:
+        return sum(len(episodes) // 2 for episodes in collector._pending.values())
+
+    for task in range(200):  # 200 tasks, one repeat each: no complete group
+        collector.add(finished("math", f"t{task}", 0.0))
+        assert collector.try_batch() is None and collector._pending.complete == recount() == 0
+    assert checked == []
+    for task in range(3):  # three complete groups: still short of a batch
+        collector.add(finished("math", f"t{task}", 1.0))
+        assert collector.try_batch() is None and collector._pending.complete == recount() == task + 1
+    assert checked == []
+    collector.add(finished("math", "t3", 1.0))  # the fourth: a batch, after one scan
+    batch = collector.try_batch()
+    assert batch is not None and sorted({e.task_id for e in batch.episodes}) == ["t0", "t1", "t2", "t3"]
+    assert len(checked) == 204 and collector._pending.complete == recount() == 0
+    collector.put_back(batch)
+    assert collector._pending.complete == recount() == 4

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -80,7 +81,7 @@ for folder in (REPO, HERE):
 
 import scale_trace  # noqa: E402
 from load_agents import prepare_run, run_auth, start_server, stop_server  # noqa: E402
-from proxy_load import OurApi, closed_loop, ours_llm_client, run_async  # noqa: E402
+from proxy_load import Conn, Load, OurApi, closed_loop, now, ours_llm_client, request_bytes, run_async  # noqa: E402
 from proxy_procs import Proc, server_env  # noqa: E402
 
 from ajet_hpc.storage.client_store import read_results  # noqa: E402
@@ -344,12 +345,29 @@ def sockets(pid: int) -> int:
     return held
 
 
+class ProbeApi(OurApi):
+    """The probe's episodes as a client group's: each connection runs tasks of REPEATS repeats, so that
+    they make complete task groups and the trainer consumes them, as real traffic (episodes of one task id
+    without end would pile up in the trainer's pool)."""
+
+    def __init__(self, port: int, secret: str, url: str, tag: str) -> None:
+        super().__init__(port, secret, url)
+        self.tag, self.begun = tag, itertools.count()
+
+    async def begin(self, conn: Conn, load: Load) -> dict | None:
+        n = next(self.begun)
+        task = {"task_id": f"{self.tag}-{n // REPEATS}", "group": "probe", "repeat": n % REPEATS}
+        t0 = now()
+        status, body = await conn.send(request_bytes("POST", "/v1/episodes", self.port, task, self.secret))
+        return json.loads(body) if load.add(t0, now(), "begin", status, body) else None
+
+
 def probe(server: Proc, secret: str, seconds: float, level: Level) -> None:
     """Closed-loop episodes of 4 chat calls on PROBE_CLIENTS keep-alive connections for a warm-up second
     and a ``seconds`` window (``proxy_load``'s lean HTTP client on uvloop: the probe must not be the
     bottleneck, as the ``openai`` client on one core would be)."""
     before = rss_kb(server.popen.pid)
-    api = OurApi(server.port, secret, server.url)
+    api = ProbeApi(server.port, secret, server.url, f"probe{level.open}")
     (window,) = run_async(
         closed_loop(server, PROBE_CLIENTS, ours_llm_client(api, 4), 1.0, seconds, 1, "chat")
     )
