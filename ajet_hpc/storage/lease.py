@@ -6,7 +6,8 @@ Lustre without POSIX locks: a fresh lease is created with ``link`` (atomic and e
 a stale one is taken over by one taker at a time (an exclusive *claim* file named after the stale token).
 A healthy holder's heartbeat rewrites the file in place through its open descriptor (no name looked up:
 thousands of client tasks' heartbeats cost the metadata server nothing); after a stall a refresh writes a
-whole file under a temporary name and renames it over the lease after checking that it is still ours. The guarantee and its limits: docs/storage.md, "The writer lease".
+whole file under a temporary name and renames it over the lease after checking that it is still ours.
+The guarantee and its limits: docs/storage.md, "The writer lease".
 
 A lease is stale when its holder is a dead process on this host, or this Slurm job before Slurm requeued
 it, or when its heartbeat is older than the timeout the holder wrote into it (nodes' clocks must agree to
