@@ -2,7 +2,13 @@
 
 from ajet_hpc.config.errors import ConfigError, ConfigIssue, format_path, issues_from_validation_error
 from ajet_hpc.config.fields import BUILTIN_MODELS, slurm_memory_mb, slurm_time_minutes
-from ajet_hpc.config.load import check_partitions, dump_topology, load_topology, validate_topology
+from ajet_hpc.config.load import (
+    check_array_sizes,
+    check_partitions,
+    dump_topology,
+    load_topology,
+    validate_topology,
+)
 from ajet_hpc.config.overrides import apply_overrides
 from ajet_hpc.config.topology import (
     ClientGroupConfig,
@@ -30,6 +36,7 @@ __all__ = [
     "Topology",
     "TrainerConfig",
     "apply_overrides",
+    "check_array_sizes",
     "check_partitions",
     "dump_topology",
     "format_path",

@@ -37,6 +37,31 @@ def validate_topology(data: Any, envs_dir: Path | None = None) -> Topology:
         raise ConfigError(issues_from_validation_error(err, Topology)) from None
 
 
+def check_array_sizes(topology: Topology, limit: int | None) -> None:
+    """Raise ``ConfigError`` for every client group (and eval group) with more array tasks than one job
+    array may have on this cluster (``limit``: ``slurmcli.array_limit``; None: not known, nothing checked).
+    Slurm would refuse the sbatch, after the servers were submitted."""
+    if limit is None:
+        return
+    issues = []
+    for i, group in enumerate(topology.clients):
+        sized = [(f"clients[{i}].array", group.array)]
+        if group.eval is not None:
+            sized.append((f"clients[{i}].eval.array", group.eval.array))
+        for where, array in sized:
+            if array > limit:
+                issues.append(
+                    ConfigIssue(
+                        where,
+                        f"{array} array tasks, but a job array here may have at most {limit} (slurm.conf: "
+                        "MaxArraySize, SchedulerParameters=max_array_tasks): split the group into groups of "
+                        f"at most {limit} tasks with the same agent and servers, or ask the admins",
+                    )
+                )
+    if issues:
+        raise ConfigError(issues)
+
+
 def check_partitions(topology: Topology, available: set[str]) -> None:
     """Raise ``ConfigError`` for every server or client partition not in ``available`` (the names from sinfo).
 

@@ -21,6 +21,7 @@ from ajet_hpc.config import (
     ConfigError,
     ConfigIssue,
     Topology,
+    check_array_sizes,
     check_partitions,
     dump_topology,
     load_topology,
@@ -176,6 +177,7 @@ def launch(args: argparse.Namespace) -> int:
     backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)
     if backend_name == "slurm" and slurmcli.available():
         check_partitions(topology, slurmcli.partitions())
+        check_array_sizes(topology, slurmcli.array_limit())
     backend: Backend = get_backend(backend_name)
     client_runtimes = runtimes.plan_runtimes(topology, run, envs_dir=Path.cwd() / "envs")  # builds nothing
     pythons = runtimes.pythons(client_runtimes)

@@ -48,6 +48,24 @@ def available() -> bool:
     return True
 
 
+def array_limit() -> int | None:
+    """The most tasks one job array (indices from 0) may have on this cluster: ``MaxArraySize`` (the highest
+    index is one less) and ``max_array_tasks`` of ``SchedulerParameters``, from ``scontrol show config``;
+    None when Slurm does not say (arrays off: ``MaxArraySize=0`` gives 0)."""
+    limits = []
+    for line in _run(["scontrol", "show", "config"], check=False, query=True).splitlines():
+        key, _, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if key == "MaxArraySize" and value.isdigit():
+            limits.append(int(value))
+        elif key == "SchedulerParameters":
+            for item in value.split(","):
+                name, _, number = item.partition("=")
+                if name.strip() == "max_array_tasks" and number.strip().isdigit():
+                    limits.append(int(number))
+    return min(limits) if limits else None
+
+
 def _run(cmd: list[str], check: bool = True, query: bool = False) -> str:
     """Run a Slurm command and return its stdout; ``query`` marks a read-only one, asked again on a
     transient failure (``_query``)."""

@@ -167,6 +167,20 @@ def test_unknown_partition_on_live_cluster_exits_2(tmp_path: Path) -> None:
     assert not run.exists()
 
 
+def test_an_array_larger_than_the_cluster_allows_exits_2(tmp_path: Path) -> None:
+    """The dev cluster keeps Slurm's default MaxArraySize (1001): a group of 1,002 tasks is refused by name
+    before anything is submitted or written (Slurm would refuse that sbatch after the servers were
+    submitted), with the limit read from ``scontrol show config``."""
+    assert slurmcli.array_limit() == 1001
+    run = tmp_path / "run"
+    data = topology_dict(run, backend="slurm")
+    data["clients"][0]["array"] = 1002
+    done = run_module("ajet_hpc.launch", str(write_topology(tmp_path, data)))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "clients[0].array: 1002 array tasks, but a job array here may have at most 1001" in done.stderr
+    assert not run.exists()
+
+
 def test_preempted_server_is_requeued_by_submitits_signal(tmp_path: Path, cleanup: list[str]) -> None:
     """A job on the higher-tier partition 'urgent' preempts the server on g1: Slurm sends USR2
     (preempt_send_user_signal), submitit checkpoints and requeues, and the server comes back with a
