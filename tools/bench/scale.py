@@ -139,6 +139,8 @@ class Report:
     commits_per_s: float = 0.0
     coordinator_s: float = float("nan")
     steps: int = 0
+    dropped_groups: int = 0
+    retried: int = 0  # episode attempts the clients ran again after a failed call (their logs)
     healthy: scale_trace.Counts = field(default_factory=scale_trace.Counts)
     healthy_min: float = 0.0
     busy: scale_trace.Counts = field(default_factory=scale_trace.Counts)  # task 0 from the release on
@@ -442,7 +444,8 @@ def measure(plan: Plan, workdir: Path) -> Report:
                     f"{sum(committed)} results committed, not {ROUNDS * plan.levels[-1]} (logs: {logs})"
                 )
             print(f"released: {sum(committed)} results committed in {ended - released:.1f} s", flush=True)
-            report.steps, report.coordinator_s = wait_steps(run, plan, server.popen.pid)
+            report.steps, report.dropped_groups, report.coordinator_s = wait_steps(run, plan)
+            report.retried = sum(f.read_text(errors="replace").count("server away (") for f in logs.iterdir())
             report.busy = scale_trace.count(trace0, run.root, released)
             report.whole = scale_trace.count(trace0, run.root)
             # away: the server dies as on a node failure (its rendezvous file stays); a fresh task waits
@@ -471,26 +474,31 @@ def measure(plan: Plan, workdir: Path) -> Report:
     return report
 
 
-def wait_steps(run: RunDir, plan: Plan, pid: int, timeout_s: float = 180) -> tuple[int, float]:
-    """The steps the released episodes make, and the coordinator's median seconds per step."""
+def wait_steps(run: RunDir, plan: Plan, quiet_s: float = 30.0) -> tuple[int, int, float]:
+    """The training steps made once the released episodes are in (the held ones make ``expected``, the
+    probes' whole task groups more), until no step came for ``quiet_s``: their number, the task groups
+    dropped as unable to complete (reported by the steps' rows), and the coordinator's median seconds per
+    step."""
     expected = ROUNDS * plan.levels[-1] // (plan.tasks_per_batch * REPEATS)
-    deadline = time.monotonic() + timeout_s
     rows: list[dict] = []
-    while time.monotonic() < deadline:
+    last_change, seen = time.monotonic(), -1
+    while time.monotonic() - last_change < quiet_s:
         rows = [
             r for r in metrics.read_rows(run.metrics_file) if r.get("model") == MODEL and "coordinator_s" in r
         ]
-        if len(rows) >= expected:
-            break
+        if len(rows) != seen:
+            last_change, seen = time.monotonic(), len(rows)
         time.sleep(1.0)
-    if len(rows) < expected:
-        raise SystemExit(f"{len(rows)} training steps in {timeout_s:.0f} s, not {expected}")
+    if not rows:
+        raise SystemExit("no training step")
+    dropped = sum(int(r.get("dropped_incomplete") or 0) for r in rows)
     seconds = statistics.median(r["coordinator_s"] for r in rows)
     print(
-        f"{len(rows)} steps of {plan.tasks_per_batch * REPEATS} episodes: coordinator {seconds:.3f} s/step",
+        f"{len(rows)} steps of {plan.tasks_per_batch * REPEATS} episodes ({expected} from the held episodes "
+        f"alone; {dropped} task groups dropped as unable to complete): coordinator {seconds:.3f} s/step",
         flush=True,
     )
-    return len(rows), seconds
+    return len(rows), dropped, seconds
 
 
 # ------------------------------------------------------------------------------------------ the report
@@ -508,6 +516,9 @@ def result_line(plan: Plan, report: Report) -> str:
             f"server_sockets_{top.open}": top.sockets,
             "store_commits_per_s": round(report.commits_per_s, 1),
             "coordinator_s_per_step": round(report.coordinator_s, 3),
+            "steps": report.steps,
+            "dropped_groups": report.dropped_groups,
+            "client_retries": report.retried,
             "metaops_per_task_min_healthy": round(report.healthy.metaops / report.healthy_min, 2),
             "metaops_per_task_min_away": round(report.away.metaops / report.away_min, 2),
             "metaops_per_task_first_min_away": report.away_first.metaops,
