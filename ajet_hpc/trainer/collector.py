@@ -91,6 +91,12 @@ class CollectorStats:
 Key = tuple[str, str]  # (client group, task id): the same task id in two groups is two tasks
 
 
+def _trainable(episode: EpisodeData) -> bool:
+    """A finished episode with calls, not an eval episode: what `announce` counts and `add` collects."""
+    finished = episode.state == EpisodeState.FINISHED and bool(episode.timelines)
+    return finished and not is_eval(episode.metadata)
+
+
 INCOMPLETE_SCAN_KEYS = 256
 """Tasks waiting in the pool above which `_drop_incomplete` looks through it at most once a second."""
 
@@ -151,19 +157,19 @@ class BatchCollector:
     def announce(self, episode: EpisodeData) -> None:
         """A closed episode that `add` will get once the server store holds it (the server calls this on
         close, `add` once written): until then its task group counts it as coming."""
-        if episode.state == EpisodeState.FINISHED and episode.timelines and not is_eval(episode.metadata):
+        if _trainable(episode):
             self._in_transit[_key(episode)] += 1
 
     # The recorder calls this for every closed episode once it is stored (the registry, without a store).
     def add(self, episode: EpisodeData) -> None:
-        if is_eval(episode.metadata):  # an eval episode is scored by its round, never trained
-            return
+        if not _trainable(episode):  # aborted, dropped, empty, or an eval episode (scored by its round)
+            return  # never announced either: an aborted repeat must not take a finished one's place
         key = _key(episode)
         if self._in_transit[key] > 1:
             self._in_transit[key] -= 1
         else:
             self._in_transit.pop(key, None)
-        if self.closed or episode.state != EpisodeState.FINISHED or not episode.timelines:
+        if self.closed:
             return
         self.stats.received += 1
         self._pending.append(key, episode)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.engine.tiny import build_tokenizer
-from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.server.episodes import ABORTED, FINISHED, Episode
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.trainer.collector import BatchCollector, quotas
 
@@ -134,6 +134,30 @@ def test_repeats_that_ended_but_are_not_yet_stored_still_count_as_coming() -> No
     collector.add(finished("math", "t1", 0.0))  # never announced (restored, or no store): nothing in transit
     ended[("math", "t1")] = 2
     assert collector.try_batch() is None and collector.stats.dropped_incomplete == 1
+
+
+def test_an_aborted_repeat_does_not_take_a_finished_ones_place_in_transit() -> None:
+    """A repeat whose call failed on the client's side is run again: the server closes the first attempt
+    as aborted (superseded). Its store write reached `add`, which took one off the task's count in transit,
+    though only finished episodes are announced: a finished repeat on its way to the store then no longer
+    counted as coming, and the group was dropped as unable to complete (found by tools/bench/scale.py at
+    4,096 open episodes, where clients retried under load)."""
+    ended: dict[tuple[str, str], int] = {}
+    collector = BatchCollector(config(tasks_per_batch=1), repeats_of={"math": 2})
+    collector.ended_count = lambda group, task: ended.get((group, task), 0)
+    first, second = finished("math", "t0", 0.0), finished("math", "t0", 1.0)
+    superseded = finished("math", "t0", 0.5)
+    superseded.state = ABORTED
+    for episode in (first, second):  # both end: counted, announced, on their way to the store
+        ended[("math", "t0")] = ended.get(("math", "t0"), 0) + 1
+        collector.announce(episode)
+    collector.announce(superseded)  # closed as aborted: not announced
+    collector.add(superseded)  # written to the store (aborted episodes are kept there too)
+    collector.add(first)
+    assert collector.try_batch() is None and collector.stats.dropped_incomplete == 0  # second is coming
+    collector.add(second)
+    batch = collector.try_batch()
+    assert batch is not None and batch.episodes == [first, second]
 
 
 def test_restored_and_stale_episodes_are_counted_in_the_next_batch() -> None:

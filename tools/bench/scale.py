@@ -104,6 +104,7 @@ class Plan:
     probe_s: float
     away_after_s: float
     away_window_s: float
+    profile_dir: Path | None = None  # py-spy records of the server during each probe
 
     @property
     def tasks(self) -> int:
@@ -364,16 +365,71 @@ class ProbeApi(OurApi):
         return json.loads(body) if load.add(t0, now(), "begin", status, body) else None
 
 
-def probe(server: Proc, secret: str, seconds: float, level: Level) -> None:
+def profiled(pid: int, seconds: float, out: Path | None) -> subprocess.Popen | None:
+    """``py-spy record`` of the server for ``seconds`` into ``out`` (raw stacks), when asked for."""
+    if out is None:
+        return None
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        raise SystemExit(f"--profile needs py-spy ({spy}): pip install py-spy")
+    command = [
+        str(spy),
+        "record",
+        "-p",
+        str(pid),
+        "-d",
+        str(int(seconds)),
+        "-r",
+        "250",
+        "-f",
+        "raw",
+        "-o",
+        str(out),
+    ]
+    return subprocess.Popen(
+        [*command, "--nonblocking", "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+
+
+def top_frames(raw: Path, count: int = 12) -> list[str]:
+    """The functions with most samples of their own in a py-spy raw record (thread frames left out),
+    and the share of samples that passed through the collector and the coordinator."""
+    own: dict[str, int] = {}
+    through = {"collector": 0, "coordinator": 0, "gc": 0}
+    total = 0
+    if not raw.exists():
+        return [f"(no profile at {raw})"]
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = [f for f in stack.split(";") if not f.startswith(("thread ", "process "))]
+        if not frames:
+            continue
+        total += int(n)
+        own[frames[-1]] = own.get(frames[-1], 0) + int(n)
+        for name in through:
+            through[name] += int(n) if any(name in f for f in frames) else 0
+    shares = ", ".join(f"{name} {100 * k / max(1, total):.1f}%" for name, k in through.items())
+    top = sorted(own.items(), key=lambda item: -item[1])[:count]
+    return [f"samples {total}; through {shares}"] + [f"{100 * k / total:5.1f}% {f[:150]}" for f, k in top]
+
+
+def probe(server: Proc, secret: str, seconds: float, level: Level, profile: Path | None = None) -> None:
     """Closed-loop episodes of 4 chat calls on PROBE_CLIENTS keep-alive connections for a warm-up second
     and a ``seconds`` window (``proxy_load``'s lean HTTP client on uvloop: the probe must not be the
     bottleneck, as the ``openai`` client on one core would be)."""
     before = rss_kb(server.popen.pid)
     api = ProbeApi(server.port, secret, server.url, f"probe{level.open}")
+    spy = profiled(server.popen.pid, seconds + 1, profile)
     (window,) = run_async(
         closed_loop(server, PROBE_CLIENTS, ours_llm_client(api, 4), 1.0, seconds, 1, "chat")
     )
     level.probe_rss_kb = rss_kb(server.popen.pid) - before
+    if spy is not None and profile is not None:
+        spy.wait(60)
+        for line in top_frames(profile):
+            print(f"      {line}", flush=True)
     level.chat_rps, level.p50_ms, level.p99_ms = window.rps, window.pct(50), window.pct(99)
     level.cpu_ms, level.errors = window.cpu_ms, window.failed
     if window.failed or not window.requests:
@@ -420,7 +476,8 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 if level == plan.levels[0]:
                     healthy_from = time.time()
                 row = Level(level, rss_kb(server.popen.pid), sockets(server.popen.pid))
-                probe(target, secret, plan.probe_s, row)
+                profile = plan.profile_dir / f"server-{level}.txt" if plan.profile_dir else None
+                probe(target, secret, plan.probe_s, row, profile)
                 report.levels.append(row)
                 took = time.monotonic() - started
                 print(
@@ -542,6 +599,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     parser.add_argument("--away-after-s", type=float, default=None, help="the away window starts after (60)")
     parser.add_argument("--away-window-s", type=float, default=None, help="the away window's length (60)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy records of each probe into DIR")
     args = parser.parse_args(argv)
     smoke = args.smoke
     plan = Plan(
@@ -550,7 +608,10 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
         probe_s=args.probe_s or (2.0 if smoke else 8.0),
         away_after_s=args.away_after_s if args.away_after_s is not None else (2.0 if smoke else 60.0),
         away_window_s=args.away_window_s or (8.0 if smoke else 60.0),
+        profile_dir=args.profile,
     )
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     levels = plan.levels
     if len(levels) < 2 or levels != sorted(set(levels)):
         parser.error("--levels: at least two sizes, ascending")
