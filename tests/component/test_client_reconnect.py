@@ -48,9 +48,12 @@ def test_a_failed_call_keeps_the_api_while_the_server_answers_at_its_url(
     task = runner.GroupTask(run, topology.clients[0], 0, repeats=1)
     probes: list[str] = []
     real_probe = discovery.probe
-    monkeypatch.setattr(
-        discovery, "probe", lambda record, **kw: probes.append(record.url) or real_probe(record)
-    )
+
+    def counted(record: rendezvous.Rendezvous, timeout_s: float = 5.0) -> dict[str, object] | None:
+        probes.append(record.url)  # which server was asked: the real /health call follows
+        return real_probe(record, timeout_s)
+
+    monkeypatch.setattr(discovery, "probe", counted)
     try:
         api = task.connect("policy")
         assert api.url == first.url and probes == [first.url]
