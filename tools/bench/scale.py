@@ -105,6 +105,7 @@ class Plan:
     away_after_s: float
     away_window_s: float
     profile_dir: Path | None = None  # py-spy records of the server during each probe
+    serving: dict[str, float] = field(default_factory=dict)  # the server's serving settings to change
 
     @property
     def tasks(self) -> int:
@@ -169,7 +170,7 @@ def write_run(workdir: Path, plan: Plan) -> Path:
                 "cpus": 1,
                 "mem": "4G",
                 "time": "1:00:00",
-                "serving": {"max_model_len": 1024, "max_tokens": 64},
+                "serving": {"max_model_len": 1024, "max_tokens": 64, **plan.serving},
                 "trainer": {
                     "ranks": 1,
                     "tasks_per_batch": plan.tasks_per_batch,
@@ -349,9 +350,10 @@ def sockets(pid: int) -> int:
 
 
 class ProbeApi(OurApi):
-    """The probe's episodes as a client group's: each connection runs tasks of REPEATS repeats, so that
-    they make complete task groups and the trainer consumes them, as real traffic (episodes of one task id
-    without end would pile up in the trainer's pool)."""
+    """The probe's episodes as a client group's: each connection runs tasks of REPEATS repeats, so that they
+    make complete task groups that leave the trainer's pool as real traffic does (their rewards are equal:
+    skipped as groups with nothing to learn, as ``skip_equal_groups`` does). Episodes of one task id without
+    end would pile up in the pool instead."""
 
     def __init__(self, port: int, secret: str, url: str, tag: str) -> None:
         super().__init__(port, secret, url)
@@ -600,6 +602,9 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     parser.add_argument("--away-window-s", type=float, default=None, help="the away window's length (60)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy records of each probe into DIR")
+    parser.add_argument(
+        "--serving", action="append", default=[], metavar="KEY=SECONDS", help="a serving setting (repeatable)"
+    )
     args = parser.parse_args(argv)
     smoke = args.smoke
     plan = Plan(
@@ -609,6 +614,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
         away_after_s=args.away_after_s if args.away_after_s is not None else (2.0 if smoke else 60.0),
         away_window_s=args.away_window_s or (8.0 if smoke else 60.0),
         profile_dir=args.profile,
+        serving={key: float(value) for key, _, value in (item.partition("=") for item in args.serving)},
     )
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
