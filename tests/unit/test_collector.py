@@ -180,7 +180,12 @@ def test_an_arrival_scans_no_waiting_episode_until_a_batch_can_form(monkeypatch)
     collector = BatchCollector(config(tasks_per_batch=4, repeats=2, skip_equal_groups=False))
     checked: list[str] = []
     real = collector._is_stale
-    monkeypatch.setattr(collector, "_is_stale", lambda e, v: checked.append(e.episode_id) or real(e, v))
+
+    def counted(episode, version: int) -> bool:
+        checked.append(episode.episode_id)  # which episodes a try looked at: the real check follows
+        return real(episode, version)
+
+    monkeypatch.setattr(collector, "_is_stale", counted)
 
     def recount() -> int:
         return sum(len(episodes) // 2 for episodes in collector._pending.values())
@@ -195,7 +200,7 @@ def test_an_arrival_scans_no_waiting_episode_until_a_batch_can_form(monkeypatch)
     assert checked == []
     collector.add(finished("math", "t3", 1.0))  # the fourth: a batch, after one scan
     batch = collector.try_batch()
-    assert batch is not None and sorted({e.task_id for e in batch.episodes}) == ["t0", "t1", "t2", "t3"]
+    assert batch is not None and sorted({str(e.task_id) for e in batch.episodes}) == ["t0", "t1", "t2", "t3"]
     assert len(checked) == 204 and collector._pending.complete == recount() == 0
     collector.put_back(batch)
     assert collector._pending.complete == recount() == 4
