@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -102,10 +101,6 @@ def resolve_index(explicit: int | None) -> int:
     return int(os.environ.get("SLURM_PROCID", "0"))
 
 
-RECHECK_S = 2.0
-"""An episode whose call failed this soon after another found the server answering goes on without asking."""
-
-
 @dataclass
 class Tally:
     finished: int = 0
@@ -129,7 +124,6 @@ class GroupTask:
         self.secret = run.read_secret()
         self.apis: dict[str, EpisodeAPI] = {}
         self.apis_lock = threading.Lock()
-        self.reached_at: dict[str, float] = {}  # server -> when it was last found answering (monotonic)
         self.finished = threading.Event()  # a server's training is complete: start no new episode
         self.started = threading.Event()  # episodes have begun to run (set before the first one)
         self.stopping = threading.Event()  # SIGTERM: drain and leave
@@ -148,13 +142,10 @@ class GroupTask:
         ``known_url``: a call to the server there failed. The API is replaced only when the server moved
         (a new URL); found answering at the same URL (a transient failure, or a restart on the same node),
         the same API goes on: closing it would cut every other episode's call in flight on it, each of which
-        would then wait for the server in turn. An episode whose call failed just after another episode
-        found the server answering does not ask again."""
+        would then wait for the server in turn."""
         with self.apis_lock:
             api = self.apis.get(name)
             if api is not None and api.url != known_url:
-                return api
-            if api is not None and time.monotonic() - self.reached_at.get(name, -math.inf) < RECHECK_S:
                 return api
             try:
                 found = wait_for_server(
@@ -167,7 +158,6 @@ class GroupTask:
                 self.gone = exc if isinstance(exc, ServerGone) else None
                 self.finished.set()
                 raise
-            self.reached_at[name] = time.monotonic()
             if api is not None and api.url == found.url:
                 log.info("server %s answers at %s", name, found.url)
                 return api

@@ -1,15 +1,14 @@
 """A client task whose call to its server failed, while the server goes on answering at the same URL (a
 transient transport error under load): the task keeps its episode API, so that the other episodes' calls in
-flight on it are not cut, and episodes that fail right after another found the server answering do not ask
-again (found by tools/bench/scale.py: at 4,096 open episodes, each failed call replaced the task's API and
-closed it under 63 other episodes' calls, which then failed in turn). A server at a new URL (requeued
-elsewhere) still gets a new API. Real server (transformers engine, tiny model), real HTTP, real run dir."""
+flight on it are not cut (found by tools/bench/scale.py: at 4,096 open episodes, each failed call replaced
+the task's API and closed it under 63 other episodes' calls, which then failed in turn). A server at a new
+URL (requeued elsewhere) still gets a new API. Real server (transformers engine, tiny model), real HTTP,
+real run dir."""
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -65,16 +64,11 @@ def test_a_failed_call_keeps_the_api_while_the_server_answers_at_its_url(
 
         other = threading.Thread(target=call_in_flight)
         other.start()
-        time.sleep(runner.RECHECK_S + 0.1)  # the last check is old: the failed call's episode asks again
-        again = task.connect("policy", known_url=api.url)
+        again = task.connect("policy", known_url=api.url)  # a call failed: the server is asked again
         other.join(30)
         assert again is api and len(calls) == 20  # kept, and the other episode's calls all answered
         assert probes == [first.url, first.url]
-        for _ in range(5):  # episodes failing right after: no more asking
-            assert task.connect("policy", known_url=api.url) is api
-        assert probes == [first.url, first.url]
         publish(run, second.url)  # the server moved: a new API
-        time.sleep(runner.RECHECK_S + 0.1)
         moved = task.connect("policy", known_url=api.url)
         assert moved is not api and moved.url == second.url
         assert moved.ended(topology.clients[0].name) == {}
