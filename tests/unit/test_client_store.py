@@ -325,7 +325,8 @@ def test_sigkill_mid_commit_loop_loses_no_reported_commit(tmp_path: Path) -> Non
             seen += 1
         threading.Event().wait(rng.uniform(0, 0.01))
         os.kill(writer.pid, signal.SIGKILL)
-        out, _ = writer.communicate()
+        out = writer.stdout.read()  # through the reader readline used: it may hold lines read ahead
+        writer.communicate()
         reported |= {int(line) for line in out.split()}
         assert writer.returncode == -signal.SIGKILL
         with ClientStore.open(path, group=GROUP, index=INDEX) as store:
