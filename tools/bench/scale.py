@@ -106,6 +106,7 @@ class Plan:
     away_window_s: float
     profile_dir: Path | None = None  # py-spy records of the server during each probe
     serving: dict[str, float] = field(default_factory=dict)  # the server's serving settings to change
+    settle_s: float = 0.0  # a pause before each level's measurement
 
     @property
     def tasks(self) -> int:
@@ -475,6 +476,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 started = time.monotonic()
                 wait_open(http, server.url, auth, level, 120 + level / 10, clients)
                 clients.wait_quiet(60)  # the last begins' answers reached their agents, threads settled
+                time.sleep(plan.settle_s)  # e.g. past serving.keep_alive_s: idle connections closed
                 if level == plan.levels[0]:
                     healthy_from = time.time()
                 row = Level(level, rss_kb(server.popen.pid), sockets(server.popen.pid))
@@ -602,6 +604,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     parser.add_argument("--away-window-s", type=float, default=None, help="the away window's length (60)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy records of each probe into DIR")
+    parser.add_argument("--settle-s", type=float, default=0.0, help="pause before each level's measurement")
     parser.add_argument(
         "--serving", action="append", default=[], metavar="KEY=SECONDS", help="a serving setting (repeatable)"
     )
@@ -614,6 +617,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
         away_after_s=args.away_after_s if args.away_after_s is not None else (2.0 if smoke else 60.0),
         away_window_s=args.away_window_s or (8.0 if smoke else 60.0),
         profile_dir=args.profile,
+        settle_s=args.settle_s,
         serving={key: float(value) for key, _, value in (item.partition("=") for item in args.serving)},
     )
     if args.profile is not None:

@@ -28,6 +28,8 @@ RELEASE = threading.Event()
 HOLD_MAX_ENV = "AJET_SCALE_HOLD_MAX_S"
 """The longest an episode waits for the release (default 1800 s): a harness that died releases nothing."""
 TASKS = 1_000_000
+KEEP_ALIVE_ENV = "AJET_SCALE_KEEP_ALIVE"
+"""Idle connections the agents of one process keep (default 4096; 0: each call on a new connection)."""
 
 _pool: httpx.Client | None = None
 _pool_lock = threading.Lock()
@@ -47,7 +49,8 @@ def _http() -> httpx.Client:
         if _pool is None:
             # idle connections are dropped here (2 s) before the server drops them (serving.keep_alive_s):
             # a request sent as the server closes its side would fail, a race of HTTP/1.1 keep-alive
-            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096, keepalive_expiry=2.0)
+            keep = int(os.environ.get(KEEP_ALIVE_ENV, "4096"))  # 0: a connection per call (none held open)
+            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=keep, keepalive_expiry=2.0)
             _pool = httpx.Client(limits=limits, timeout=httpx.Timeout(600.0))
         return _pool
 

@@ -83,10 +83,19 @@ def start_noop_ranks(
         )
 
 
+GC_OFF_ENV = "AJET_SCALE_GC_OFF"
+"""Set to 1: the server runs with Python's cyclic garbage collector off (a diagnosis: does its cost grow
+with the open episodes?)."""
+
+
 def serve(run_dir: str) -> int:
     from ajet_hpc.server import assembly, process
     from ajet_hpc.trainer import coordinator
 
+    if os.environ.get(GC_OFF_ENV) == "1":
+        import gc
+
+        gc.disable()
     assembly.create_engine = zero_engine
     coordinator.start_ranks = start_noop_ranks
     return process.serve(run_dir)
