@@ -153,6 +153,16 @@ class WorkDir:
         return sorted(s for s in steps if s is not None)
 
 
+def prepare_for_ranks(work_dir: Path) -> WorkDir:
+    """The work dir of ranks about to start, created, without the control files an earlier job left
+    (``stop``, a save request or refusal, ``ready.json``): nobody waits on those now."""
+    work = WorkDir(Path(work_dir).absolute())
+    work.root.mkdir(parents=True, exist_ok=True)
+    for stale in (work.stop, work.save_request, work.save_refused, work.ready):
+        stale.unlink(missing_ok=True)
+    return work
+
+
 # ---- batches -------------------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.trainer.distributed import slurm_hostnames
-from ajet_hpc.trainer.rank_files import WorkDir
+from ajet_hpc.trainer.rank_files import prepare_for_ranks
 from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
@@ -147,11 +147,7 @@ def start_ranks(
     ``ready.json`` files of an earlier run first. ``env``: the environment of the server's job step
     (default ``os.environ``), before the engine narrowed its own ``CUDA_VISIBLE_DEVICES``; ``sync``: how
     the ranks hand their weights to the engine (the server's `sync_plan.decide`)."""
-    work = WorkDir(Path(work_dir).absolute())
-    work.root.mkdir(parents=True, exist_ok=True)
-    for stale in (work.stop, work.save_request, work.save_refused):  # left by the previous job
-        stale.unlink(missing_ok=True)
-    work.ready.unlink(missing_ok=True)
+    work = prepare_for_ranks(work_dir)
     ranks_per_node = placement.ranks_per_node
     command = rank_command(
         work.root,

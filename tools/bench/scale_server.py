@@ -69,10 +69,7 @@ def start_noop_ranks(
     sync: SyncPlan | None = None,
 ) -> subprocess.Popen:
     """Stands in for ``rank_launcher.start_ranks``: the same stale files cleared, this file's ``ranks``."""
-    work = WorkDir(Path(work_dir).absolute())
-    work.root.mkdir(parents=True, exist_ok=True)
-    for stale in (work.stop, work.save_request, work.save_refused, work.ready):
-        stale.unlink(missing_ok=True)
+    work = rank_files.prepare_for_ranks(work_dir)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, __file__, "ranks", str(work.root)],
