@@ -70,6 +70,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -83,6 +84,7 @@ import scale_trace  # noqa: E402
 from load_agents import prepare_run, run_auth, start_server, stop_server  # noqa: E402
 from proxy_load import Conn, Load, OurApi, closed_loop, now, ours_llm_client, request_bytes, run_async  # noqa: E402
 from proxy_procs import Proc, server_env  # noqa: E402
+from scale_server import GC_STATS_ENV  # noqa: E402
 
 from ajet_hpc.storage.client_store import read_results  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402
@@ -134,6 +136,8 @@ class Level:
     cpu_ms: float = 0.0  # the server's CPU per chat call during the probe (begin and end included)
     probe_rss_kb: int = 0  # what the probe added to the server's resident memory
     errors: int = 0
+    gc_share: float = 0.0  # the share of the probe's time the server spent in its garbage collector
+    full_gcs: int = 0  # full (generation 2) collections during the probe
 
 
 @dataclass
@@ -423,12 +427,20 @@ def probe(server: Proc, secret: str, seconds: float, level: Level, profile: Path
     and a ``seconds`` window (``proxy_load``'s lean HTTP client on uvloop: the probe must not be the
     bottleneck, as the ``openai`` client on one core would be)."""
     before = rss_kb(server.popen.pid)
+    collections = gc_stats()
+    started = time.monotonic()
     api = ProbeApi(server.port, secret, server.url, f"probe{level.open}")
     spy = profiled(server.popen.pid, seconds + 1, profile)
     (window,) = run_async(
         closed_loop(server, PROBE_CLIENTS, ours_llm_client(api, 4), 1.0, seconds, 1, "chat")
     )
     level.probe_rss_kb = rss_kb(server.popen.pid) - before
+    took = time.monotonic() - started
+    time.sleep(0.6)  # the server rewrites its figures every half second
+    after = gc_stats()
+    if collections and after:
+        level.gc_share = sum(after[g]["seconds"] - collections[g]["seconds"] for g in "012") / took
+        level.full_gcs = after["2"]["collections"] - collections["2"]["collections"]
     if spy is not None and profile is not None:
         spy.wait(60)
         for line in top_frames(profile):
@@ -437,6 +449,14 @@ def probe(server: Proc, secret: str, seconds: float, level: Level, profile: Path
     level.cpu_ms, level.errors = window.cpu_ms, window.failed
     if window.failed or not window.requests:
         raise SystemExit(f"the probe at {level.open} open episodes: {window.failed} of its calls failed")
+
+
+def gc_stats() -> dict[str, Any]:
+    """The server's garbage collector's work so far (``scale_server.record_collections``), if it wrote any."""
+    path = os.environ.get(GC_STATS_ENV)
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(Path(path).read_text()) if path else {}
+    return {}
 
 
 def kill_ranks(run: RunDir) -> None:
@@ -454,6 +474,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     secret = run.read_secret()
+    os.environ[GC_STATS_ENV] = str(workdir / "server-gc.json")
     server = start_server(
         run_path, command=[sys.executable, str(HERE / "scale_server.py"), "serve", str(run_path)]
     )
@@ -487,7 +508,8 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 print(
                     f"{level:>6} open (in {took:.0f} s): server {row.rss_kb / 1024:.0f} MiB, "
                     f"{row.sockets} sockets; probe {row.chat_rps:.0f} chat/s p50 {row.p50_ms:.1f} ms "
-                    f"p99 {row.p99_ms:.1f} ms, server {row.cpu_ms:.2f} ms CPU per call ({row.errors} errors)",
+                    f"p99 {row.p99_ms:.1f} ms, server {row.cpu_ms:.2f} ms CPU per call ({row.errors} errors), "
+                    f"garbage collector {100 * row.gc_share:.1f}% of the time ({row.full_gcs} full collections)",
                     flush=True,
                 )
             released = time.time()
@@ -568,8 +590,9 @@ def result_line(plan: Plan, report: Report) -> str:
     probes = sum(level.probe_rss_kb for level in report.levels[:-1])
     per_episode_kb = (top.rss_kb - bottom.rss_kb - probes) / (top.open - bottom.open)
     fields: dict[str, float] = {"open_episodes": top.open}
-    for name in ("chat_rps", "p50_ms", "p99_ms", "cpu_ms"):
-        fields.update({f"{name}_{level.open}": round(getattr(level, name), 1) for level in report.levels})
+    for name in ("chat_rps", "p50_ms", "p99_ms", "cpu_ms", "gc_share", "full_gcs"):
+        digits = 3 if name == "gc_share" else 1
+        fields.update({f"{name}_{level.open}": round(getattr(level, name), digits) for level in report.levels})
     fields.update(
         {
             f"api_ratio_{top.open}_vs_{bottom.open}": round(top.chat_rps / bottom.chat_rps, 3),

@@ -85,6 +85,40 @@ GC_OFF_ENV = "AJET_SCALE_GC_OFF"
 with the open episodes?)."""
 
 
+GC_STATS_ENV = "AJET_SCALE_GC_STATS"
+"""A file the server rewrites every half second with its garbage collector's work so far: collections and
+seconds per generation (``gc.callbacks``), objects collected, and objects tracked outside the frozen heap."""
+
+
+def record_collections(path: Path) -> None:
+    import gc
+    import json
+    import threading
+
+    totals = {g: {"collections": 0, "seconds": 0.0, "collected": 0} for g in range(3)}
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            row = totals[info["generation"]]
+            row["collections"] += 1
+            row["seconds"] += time.perf_counter() - started[0]
+            row["collected"] += info["collected"]
+
+    def write() -> None:
+        while True:
+            time.sleep(0.5)
+            snapshot = {str(g): dict(row) for g, row in totals.items()}
+            snapshot["counts"] = list(gc.get_count())  # type: ignore[assignment]
+            snapshot["frozen"] = gc.get_freeze_count()  # type: ignore[assignment]
+            write_json_atomic(path, snapshot)
+
+    gc.callbacks.append(callback)
+    threading.Thread(target=write, name="gc-stats", daemon=True).start()
+
+
 def serve(run_dir: str) -> int:
     from ajet_hpc.server import assembly, process
     from ajet_hpc.trainer import coordinator
@@ -93,6 +127,8 @@ def serve(run_dir: str) -> int:
         import gc
 
         gc.disable()
+    if os.environ.get(GC_STATS_ENV):
+        record_collections(Path(os.environ[GC_STATS_ENV]))
     assembly.create_engine = zero_engine
     coordinator.start_ranks = start_noop_ranks
     return process.serve(run_dir)
