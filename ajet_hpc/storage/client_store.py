@@ -15,8 +15,8 @@ metadata lives anywhere in the file. So the HDF5 file is a *view*, and durabilit
 - ``commit`` appends one record with a single ``write``: **a result is committed once its record is written**,
   and ``commit`` returns only then. It is then in the kernel's page cache: it survives the process being
   killed. Records reach the storage in group commits: one fsync at most every ``sync_interval_s`` (default
-  2 s) for every record written since, by the commit itself when the interval has passed, else by the store's
-  sync thread when it does, and at ``close``; so a task committing 10 results a second fsyncs once per 20 of
+  30 s) for every record written since, by the commit itself when the interval has passed, else by the store's
+  sync thread when it does, and at ``close``; so a task committing a result a second fsyncs once per 30 of
   them, not once per result (docs/scaling.md). A node that dies loses at most the last interval's records:
   their episodes were ended at the servers first, and the runner's next start commits them from there
   (``commit_recorded``), so nothing runs or trains twice. The HDF5 row is written after the record (columns
@@ -481,14 +481,17 @@ def _build_hdf5(path: Path, header: dict[str, Any], results: list[Result]) -> No
     fsync_dir(path.parent)
 
 
-SYNC_INTERVAL_S = 2.0
+SYNC_INTERVAL_S = 30.0
+"""Longest time a written record waits for its fsync (the group commit interval): a task fsyncs its journal
+at most once per 30 s, so 10,000 committing tasks make at most 333 fsyncs a second, and a task committing a
+result every 3 s or more often pays at most 0.1 fsyncs per result. What a dead node loses of the last
+interval was ended at the servers first; the next start commits it from there (``commit_recorded``)."""
 LEASE_TIMING = LeaseTiming(heartbeat_s=60.0, timeout_s=240.0)
 """A client store's writer lease: one heartbeat a minute (an fsync of the lease file, no name looked up:
 ``lease.HeldLease.renew``), so that 10,000 tasks make about 170 heartbeat fsyncs a second, not 2,000. The
 price: a task that dies on a node that stays up elsewhere (another host, another Slurm job) leaves a lease
 that its successor takes over after 4 minutes; a dead process on the same host, or a requeue of the same
 job, is taken over at once."""
-"""Longest time a written record waits for its fsync (the group commit interval)."""
 VIEW_MIN_FREE = 1 << 20
 """Below this much free space, the HDF5 view is closed rather than written: an HDF5 write that fails on a
 full disk can leave the library unable to close the file (a crash, with HDF5 2.0)."""
@@ -685,8 +688,9 @@ class ClientStore:
             return list(self._results.values())
 
     def commit(self, result: Result) -> None:
-        """Commit one result: durable (journal record fsynced) when this returns. A second commit of the
-        same (task_id, repeat) raises ValueError, so does a result that cannot be stored as JSON."""
+        """Commit one result: its journal record is written when this returns (it survives the process),
+        and fsynced within ``sync_interval_s`` (it survives the node). A second commit of the same
+        (task_id, repeat) raises ValueError, so does a result that cannot be stored as JSON."""
         stored, payload = _normalized(result)
         frame = _frame(payload)
         with self._lock:

@@ -508,8 +508,8 @@ def measure(plan: Plan, workdir: Path) -> Report:
                 print(
                     f"{level:>6} open (in {took:.0f} s): server {row.rss_kb / 1024:.0f} MiB, "
                     f"{row.sockets} sockets; probe {row.chat_rps:.0f} chat/s p50 {row.p50_ms:.1f} ms "
-                    f"p99 {row.p99_ms:.1f} ms, server {row.cpu_ms:.2f} ms CPU per call ({row.errors} errors), "
-                    f"garbage collector {100 * row.gc_share:.1f}% of the time ({row.full_gcs} full collections)",
+                    f"p99 {row.p99_ms:.1f} ms, server {row.cpu_ms:.2f} ms CPU per call ({row.errors} errors),"
+                    f" garbage collector {100 * row.gc_share:.1f}% of the time ({row.full_gcs} full)",
                     flush=True,
                 )
             released = time.time()
@@ -592,7 +592,7 @@ def result_line(plan: Plan, report: Report) -> str:
     fields: dict[str, float] = {"open_episodes": top.open}
     for name in ("chat_rps", "p50_ms", "p99_ms", "cpu_ms", "gc_share", "full_gcs"):
         digits = 3 if name == "gc_share" else 1
-        fields.update({f"{name}_{level.open}": round(getattr(level, name), digits) for level in report.levels})
+        fields.update({f"{name}_{row.open}": round(getattr(row, name), digits) for row in report.levels})
     fields.update(
         {
             f"api_ratio_{top.open}_vs_{bottom.open}": round(top.chat_rps / bottom.chat_rps, 3),

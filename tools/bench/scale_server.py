@@ -90,9 +90,13 @@ GC_STATS_ENV = "AJET_SCALE_GC_STATS"
 seconds per generation (``gc.callbacks``), objects collected, and objects tracked outside the frozen heap."""
 
 
+THAW_EVERY_ENV = "AJET_SCALE_THAW_EVERY"
+"""Thaw the server's heap every this many ticks of its ager (``heap.THAW_EVERY``): a thaw within the
+harness's few minutes, to see what it collects and how long the event loop waits for it."""
+
+
 def record_collections(path: Path) -> None:
     import gc
-    import json
     import threading
 
     totals = {g: {"collections": 0, "seconds": 0.0, "collected": 0} for g in range(3)}
@@ -129,6 +133,10 @@ def serve(run_dir: str) -> int:
         gc.disable()
     if os.environ.get(GC_STATS_ENV):
         record_collections(Path(os.environ[GC_STATS_ENV]))
+    if os.environ.get(THAW_EVERY_ENV):
+        from ajet_hpc.server import heap
+
+        heap.THAW_EVERY = int(os.environ[THAW_EVERY_ENV])
     assembly.create_engine = zero_engine
     coordinator.start_ranks = start_noop_ranks
     return process.serve(run_dir)
