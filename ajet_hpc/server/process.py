@@ -55,11 +55,17 @@ def pick_server(topology: Topology, name: str | None) -> ServerConfig:
     raise SystemExit(f"no server named {name!r} in this run; servers are: {names}")
 
 
+LISTEN_BACKLOG = 65535
+"""Connections the kernel may hold for the server to accept; it caps this at ``net.core.somaxconn`` (4096 on
+Linux 5.4 and later). With 2048, thousands of agents released at once overflowed the queue (the kernel's
+``TcpExtListenOverflows``): dropped handshakes, retried a second or more later."""
+
+
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 

@@ -148,6 +148,7 @@ class Report:
     steps: int = 0
     dropped_groups: int = 0
     retried: int = 0  # episode attempts the clients ran again after a failed call (their logs)
+    listen_overflows: int = 0  # handshakes the host's listen queues dropped during the run (all sockets)
     healthy: scale_trace.Counts = field(default_factory=scale_trace.Counts)
     healthy_min: float = 0.0
     busy: scale_trace.Counts = field(default_factory=scale_trace.Counts)  # task 0 from the release on
@@ -451,6 +452,15 @@ def probe(server: Proc, secret: str, seconds: float, level: Level, profile: Path
         raise SystemExit(f"the probe at {level.open} open episodes: {window.failed} of its calls failed")
 
 
+def listen_overflows() -> int:
+    """The host's count of connections dropped because a listen queue was full (``TcpExtListenOverflows``)."""
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2], strict=True):
+        if names.startswith("TcpExt:"):
+            return int(dict(zip(names.split(), values.split(), strict=True))["ListenOverflows"])
+    return 0
+
+
 def gc_stats() -> dict[str, Any]:
     """The server's garbage collector's work so far (``scale_server.record_collections``), if it wrote any."""
     path = os.environ.get(GC_STATS_ENV)
@@ -480,6 +490,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
     )
     clients = Processes(logs)
     report = Report()
+    overflows = listen_overflows()
     try:
         print(f"server up at {server.url} (pid {server.popen.pid}); its log: {server.log}", flush=True)
         auth = run_auth(server.url, secret)
@@ -530,6 +541,7 @@ def measure(plan: Plan, workdir: Path) -> Report:
             report.steps, report.dropped_groups, report.coordinator_s = wait_steps(run, plan)
             report.retried = sum(f.read_text(errors="replace").count("server away (") for f in logs.iterdir())
             report.busy = scale_trace.count(trace0, run.root, released)
+            report.listen_overflows = listen_overflows() - overflows
             report.whole = scale_trace.count(trace0, run.root)
             # away: the server dies as on a node failure (its rendezvous file stays); a fresh task waits
             os.killpg(server.popen.pid, signal.SIGKILL)
@@ -603,6 +615,7 @@ def result_line(plan: Plan, report: Report) -> str:
             "steps": report.steps,
             "dropped_groups": report.dropped_groups,
             "client_retries": report.retried,
+            "listen_overflows": report.listen_overflows,
             "metaops_per_task_min_healthy": round(report.healthy.metaops / report.healthy_min, 2),
             "metaops_per_task_min_away": round(report.away.metaops / report.away_min, 2),
             "metaops_per_task_first_min_away": report.away_first.metaops,
