@@ -57,8 +57,9 @@ def pick_server(topology: Topology, name: str | None) -> ServerConfig:
 
 LISTEN_BACKLOG = 65535
 """Connections the kernel may hold for the server to accept; it caps this at ``net.core.somaxconn`` (4096 on
-Linux 5.4 and later). With 2048, thousands of agents released at once overflowed the queue (the kernel's
-``TcpExtListenOverflows``): dropped handshakes, retried a second or more later."""
+Linux 5.4 and later). A full queue drops new handshakes (the kernel's ``TcpExtListenOverflows``), which the
+client retries a second or more later: thousands of agents connecting at once overflowed the 2048 asked
+for before (docs/scaling.md)."""
 
 
 def _bind(host: str, port: int) -> socket.socket:
