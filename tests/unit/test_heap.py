@@ -1,6 +1,7 @@
-"""The server process's heap ager (``ajet_hpc.server.heap``): what lives on leaves the collector's sight within
-one tick, young cyclic garbage is collected before anything is frozen, and cyclic garbage among frozen
-objects is collected at the next thaw. Each case runs in a subprocess: a freeze would outlive the test."""
+"""The server process's heap ager (``ajet_hpc.server.heap``): what lives on leaves the collector's sight
+within one tick, young cyclic garbage is collected before anything is frozen, and cyclic garbage among
+frozen objects is collected at the next thaw. Each case runs in a subprocess: a freeze would outlive the
+test."""
 
 from __future__ import annotations
 
