@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-from ajet_hpc.client.eval_runner import make_worker
-from ajet_hpc.client.runner import run_client
 from ajet_hpc.client.task_supervisor import run_supervised
 
 
@@ -23,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         "--once", action="store_true", help="run the runner in this process, not restarted when it dies"
     )
     args = parser.parse_args(argv)
-    if args.once:
+    if args.once:  # the runner's imports (HDF5, numpy, HTTP) where it runs, not in its supervisor
+        from ajet_hpc.client.eval_runner import make_worker
+        from ajet_hpc.client.runner import run_client
+
         return run_client(args.run_dir, args.group, args.index, make_worker)
     return run_supervised(args.run_dir, args.group, args.index)
 

@@ -39,6 +39,7 @@ import yaml
 
 from ajet_hpc import fault_injection
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
+from ajet_hpc.client.array_task import EXIT_SERVER_GONE, EXIT_STORE_FAILED, pick_group, resolve_index
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, WaitStopped, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
@@ -75,30 +76,6 @@ SERVER_ERROR_ATTEMPTS = 4
 """Runs of an episode that a server answers with a 5xx before its task and repeat are given up."""
 SERVER_ERROR_BACKOFF_S = 2.0
 """Pause before the second run after a 5xx; doubled before each next one (2, 4, 8 s by default)."""
-EXIT_SERVER_GONE = 3
-"""The runner stopped because a server failed or stayed away longer than ``clients[].server_wait_s``; its
-supervisor does not start it again."""
-EXIT_STORE_FAILED = 5
-"""The runner stopped because its store could not record a result (disk full, quota, lease taken over): it
-runs no episode it cannot record; a restart or requeue of the task resumes from the store's last commit."""
-
-
-def pick_group(topology: Topology, name: str) -> ClientGroupConfig:
-    """The client group (or eval group) called ``name``; exits naming the groups otherwise."""
-    try:
-        return topology.client(name)
-    except KeyError as exc:
-        raise SystemExit(f"{exc.args[0]} (in this run)") from None
-
-
-def resolve_index(explicit: int | None) -> int:
-    """This task's index in its group: explicit, else the array task id, else the hetjob rank."""
-    if explicit is not None:
-        return explicit
-    job = environment.current()
-    if job.array_index is not None:
-        return job.array_index
-    return int(os.environ.get("SLURM_PROCID", "0"))
 
 
 @dataclass

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ajet_hpc.client.runner import EXIT_SERVER_GONE, pick_group, resolve_index
+from ajet_hpc.client.array_task import EXIT_SERVER_GONE, pick_group, resolve_index
 from ajet_hpc.config import ClientGroupConfig
 from ajet_hpc.storage import task_ends
 from ajet_hpc.storage.rundir import RunDir

@@ -210,3 +210,18 @@ def test_the_server_context_saves_once_and_requeues_its_job_when_the_engine_died
     else:
         assert requeued == [] and ctx.failed and ctx.state == "failed"
         assert ctx.reason is not None and "could not requeue itself (not a Slurm job" in ctx.reason
+
+
+def test_the_supervisor_loads_none_of_the_runners_stack() -> None:
+    """An array task's supervisor (submitit's process, ``ClientJob``) outlives its runner: it imports neither
+    HDF5, numpy nor an HTTP client, which cost each array task about 0.4 s of CPU more at its start."""
+    import subprocess
+
+    wanted = ("h5py", "numpy", "httpx", "openai", "ajet_hpc.client.runner")
+    probe = (
+        "import sys, ajet_hpc.client.task_supervisor, ajet_hpc.launch.jobs\n"
+        f"print(sorted(m for m in {wanted!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
