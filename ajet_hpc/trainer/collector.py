@@ -8,9 +8,12 @@ Policies (``trainer.batch_policy``):
   are the task ids among them (a group of one gets advantage 0).
 
 With ``skip_equal_groups`` a complete group whose rewards are all equal is dropped (its advantages would
-be zero) and counted. ``max_staleness`` bounds the policy lag of a sample: an episode whose oldest call was
-served by a policy more than ``max_staleness`` versions behind the trained one is dropped and counted;
-0 means strictly on-policy (the server then admits no new episode while the trainer steps).
+be zero) and counted, up to ``EQUAL_GROUPS_PER_TASK`` per task of a batch since the last batch: a policy
+that has sharpened until it answers every task alike makes nearly every group equal, and skipping them
+all would hold the trainer until the run's time ran out. Past that, equal groups are kept (logged once a
+batch) and the run trains on. ``max_staleness`` bounds the policy lag of a sample: an episode whose oldest
+call was served by a policy more than ``max_staleness`` versions behind the trained one is dropped and
+counted; 0 means strictly on-policy (the server then admits no new episode while the trainer steps).
 
 Eval episodes (``tracking.episode.is_eval``) are never collected: their rounds score them.
 
@@ -97,6 +100,8 @@ def _trainable(episode: EpisodeData) -> bool:
     return finished and not is_eval(episode.metadata)
 
 
+EQUAL_GROUPS_PER_TASK = 8
+"""Equal-reward groups skipped since the last batch, per task of a batch, past which they are kept."""
 INCOMPLETE_SCAN_KEYS = 256
 """Tasks waiting in the pool above which `_drop_incomplete` looks through it at most once a second."""
 
@@ -146,6 +151,7 @@ class BatchCollector:
         self._short_since: float | None = None
         self._dropped_ids: list[str] = []
         self._since_batch = {"dropped_stale": 0, "skipped_equal": 0, "dropped_incomplete": 0}
+        self._equal_kept = False  # equal-reward groups kept for the batch being gathered (logged once)
         self._restored: set[str] = set()
         self._invalid: dict[str, str] = {}  # carried over from a batch that trained nothing
         self._collect_s = 0.0  # time spent in tries since the last batch
@@ -279,6 +285,7 @@ class BatchCollector:
         batch.skipped_equal = self._since_batch["skipped_equal"]
         batch.dropped_incomplete = self._since_batch["dropped_incomplete"]
         self._since_batch = dict.fromkeys(self._since_batch, 0)
+        self._equal_kept = False
         batch.recovered_ids = [e.episode_id for e in batch.episodes if e.episode_id in self._restored]
         batch.recovered = len(batch.recovered_ids)
         self._restored -= set(batch.recovered_ids)
@@ -336,22 +343,32 @@ class BatchCollector:
 
     def _complete_groups(self, repeats: int) -> tuple[list[list[EpisodeData]], int]:
         """Every complete task group now pending (taken out of the pool), minus equal-reward ones."""
-        groups, skipped = [], 0
+        groups, skipped, kept = [], 0, 0
+        limit = EQUAL_GROUPS_PER_TASK * self.config.tasks_per_batch - self._since_batch["skipped_equal"]
         for key in list(self._pending):
             episodes = self._pending[key]
             whole = len(episodes) - len(episodes) % repeats
             for start in range(0, whole, repeats):
                 group = episodes[start : start + repeats]
                 if self.config.skip_equal_groups and len({e.reward for e in group}) == 1:
-                    skipped += 1
-                    self._dropped_ids += [e.episode_id for e in group]
-                else:
-                    groups.append(group)
+                    if skipped < limit:
+                        skipped += 1
+                        self._dropped_ids += [e.episode_id for e in group]
+                        continue
+                    kept += 1
+                groups.append(group)
             episodes = episodes[whole:]
             if episodes:
                 self._pending[key] = episodes
             else:
                 del self._pending[key]
+        if kept and not self._equal_kept:
+            self._equal_kept = True
+            log.warning(
+                "trainer.skip_equal_groups: %d task groups skipped since the last step had equal rewards "
+                "(the policy answers each task alike); keeping such groups until this step's batch forms",
+                self._since_batch["skipped_equal"] + skipped,
+            )
         return groups, skipped
 
     def _choose(

@@ -204,3 +204,30 @@ def test_an_arrival_scans_no_waiting_episode_until_a_batch_can_form(monkeypatch)
     assert len(checked) == 204 and collector._pending.complete == recount() == 0
     collector.put_back(batch)
     assert collector._pending.complete == recount() == 4
+
+
+def test_equal_groups_are_skipped_until_they_would_hold_the_trainer() -> None:
+    """A policy that answers every task alike makes every group equal: the collector skips them up to
+    ``EQUAL_GROUPS_PER_TASK`` per task of a batch since the last batch, then keeps them, so the run trains
+    on instead of waiting for groups that no longer come; after that batch it skips again."""
+    from ajet_hpc.trainer.collector import EQUAL_GROUPS_PER_TASK
+
+    collector = BatchCollector(config(tasks_per_batch=2, repeats=2))
+    limit = EQUAL_GROUPS_PER_TASK * 2
+
+    def equal_tasks(count: int, start: int) -> None:
+        for k in range(start, start + count):
+            for repeat in range(2):
+                episode = finished("math", f"t{k}", 1.0)
+                episode.episode_id = f"t{k}-{repeat}"
+                collector.add(episode)
+
+    equal_tasks(limit, 0)
+    assert collector.try_batch(now=0.0) is None  # every one skipped: the limit reached, not passed
+    equal_tasks(2, limit)
+    batch = collector.try_batch(now=0.0)
+    assert batch is not None and batch.skipped_equal == limit
+    assert {e.task_id for e in batch.episodes} == {f"t{limit}", f"t{limit + 1}"}  # kept, equal as they are
+    equal_tasks(2, limit + 2)
+    assert collector.try_batch(now=0.0) is None  # a new batch: skipped again
+    assert collector.stats.skipped_equal == limit + 2
