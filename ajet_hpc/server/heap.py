@@ -74,7 +74,6 @@ class HeapAger:
             )
         self.interval_s, self.thaw_every = interval_s, thaw_every
         self.ticks = 0
-        self.last_thaw: Tick | None = None
 
     def tick(self) -> Tick:
         self.ticks += 1
@@ -86,7 +85,6 @@ class HeapAger:
         gc.freeze()
         done = Tick(collected, time.perf_counter() - started, thaw)
         if thaw:
-            self.last_thaw = done
             log.info(
                 "heap thawed: %d objects of cyclic garbage collected in %.2f s, %d objects frozen again",
                 collected,
