@@ -86,8 +86,9 @@ with the open episodes?)."""
 
 
 GC_STATS_ENV = "AJET_SCALE_GC_STATS"
-"""A file the server rewrites every half second with its garbage collector's work so far: collections and
-seconds per generation (``gc.callbacks``), objects collected, and objects tracked outside the frozen heap."""
+"""A file the server rewrites every half second with its garbage collector's work so far: collections,
+seconds and objects collected per generation (``gc.callbacks``), the generations' counts, and the objects
+frozen."""
 
 
 THAW_EVERY_ENV = "AJET_SCALE_THAW_EVERY"
@@ -114,9 +115,9 @@ def record_collections(path: Path) -> None:
     def write() -> None:
         while True:
             time.sleep(0.5)
-            snapshot = {str(g): dict(row) for g, row in totals.items()}
-            snapshot["counts"] = list(gc.get_count())  # type: ignore[assignment]
-            snapshot["frozen"] = gc.get_freeze_count()  # type: ignore[assignment]
+            snapshot: dict[str, Any] = {str(g): dict(row) for g, row in totals.items()}
+            snapshot["counts"] = list(gc.get_count())
+            snapshot["frozen"] = gc.get_freeze_count()
             write_json_atomic(path, snapshot)
 
     gc.callbacks.append(callback)
