@@ -50,7 +50,9 @@ from ajet_hpc.client.session import (
     KeyEnded,
     ServerAway,
     ServerError,
+    ServerGoingDown,
     TrainingFinished,
+    going_down,
 )
 from ajet_hpc.client.task_sources import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
@@ -279,6 +281,8 @@ class GroupTask:
                 log.warning(
                     "task %s repeat %d: server away (%s); waiting to run it again", task.id, repeat, exc
                 )
+                if isinstance(exc, ServerGoingDown):  # it still answers /health while it goes down
+                    self.finished.wait(self.server_error_backoff_s)
                 try:
                     for name, api in list(self.apis.items()):
                         self.connect(name, known_url=api.url)
@@ -367,7 +371,7 @@ class GroupTask:
                 raise ValueError(f"the agent's outcome cannot be stored: {unstorable}")
         except Exception as exc:
             failure = _server_failure(exc)
-            if isinstance(failure, ServerError):  # the server answered: abort there, with the reason
+            if isinstance(failure, ServerError | ServerGoingDown):  # it answered: abort there, saying why
                 for name, b in begun.items():
                     self._abort_quietly(name, b["episode_id"], str(failure))
             if failure is not None:
@@ -481,7 +485,8 @@ def _test_exit_after_end(task: GroupTask) -> None:
 
 def _server_failure(exc: BaseException) -> ServerAway | None:
     """Whether an agent's model call failed because of the server (openai / httpx): ``ServerAway`` when it
-    could not be reached, ``ServerError`` (with the server's message) when it answered a 5xx; else None."""
+    could not be reached, ``ServerGoingDown`` when it answered that its engine does not run (it is going
+    down), ``ServerError`` (with the server's message) when it answered another 5xx; else None."""
     import httpx
     import openai
 
@@ -489,6 +494,8 @@ def _server_failure(exc: BaseException) -> ServerAway | None:
     while seen is not None:
         if isinstance(seen, openai.APIConnectionError | httpx.TransportError):
             return ServerAway(str(seen))
+        if isinstance(seen, openai.APIStatusError) and going_down(seen.status_code, seen.code):
+            return ServerGoingDown(f"the agent's model call got HTTP 503: {seen.message}")
         if isinstance(seen, openai.APIStatusError) and seen.status_code >= 500:
             return ServerError(f"the agent's model call got HTTP {seen.status_code}: {seen.message}")
         seen = seen.__cause__ or seen.__context__

@@ -36,6 +36,20 @@ class ServerError(ServerAway):
     code: str | None = None  # the error's code in the server's answer (e.g. ``store_unavailable``)
 
 
+class ServerGoingDown(ServerAway):
+    """The server answered 503 ``engine_not_running``: its engine stopped because the server is going down
+    (its job requeued, preempted or over), or is not up yet. Waited for as an absent server, after a pause
+    (while it goes down it still answers ``/health``); never counted as the server failing the episode."""
+
+
+GOING_DOWN_CODE = "engine_not_running"
+"""The code of the server's 503 while its engine does not run (``server.serving``)."""
+
+
+def going_down(status: int, code: object) -> bool:
+    return status == 503 and code == GOING_DOWN_CODE
+
+
 def _error_message(reply: httpx.Response) -> str:
     try:
         return str(reply.json()["error"]["message"])
@@ -97,6 +111,8 @@ class EpisodeAPI:
             rejected = EpisodeRejected(_error_message(reply))
             rejected.code = _error_code(reply)
             raise rejected
+        if going_down(reply.status_code, _error_code(reply)):
+            raise ServerGoingDown(f"{self.url}{path}: {_error_message(reply)}")
         if reply.status_code >= 500:
             error = ServerError(f"{self.url}{path}: HTTP {reply.status_code}: {_error_message(reply)}")
             error.code = _error_code(reply)

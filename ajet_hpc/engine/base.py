@@ -31,6 +31,14 @@ class EngineError(Exception):
     """A request or an operation the engine cannot serve; the message says why and what to change."""
 
 
+class EngineNotRunning(EngineError):
+    """The engine is not started, or stopped: the server is going down (its job requeued or over), or not up
+    yet. The server answers 503 ``engine_not_running``; clients take the server as away, not as failing."""
+
+
+NOT_RUNNING = "the engine is not running: not started yet, or stopped because its server is going down"
+
+
 class PromptTooLong(EngineError):
     """The prompt leaves no room for even one new token within the engine's ``max_model_len``."""
 
@@ -188,7 +196,7 @@ class EngineLifecycle(ABC):
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         return self._tokenizer
 
     @abstractmethod

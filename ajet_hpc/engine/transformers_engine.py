@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from ajet_hpc.engine.adapter import kind_mismatch
 from ajet_hpc.engine.base import (
+    NOT_RUNNING,
     Chunk,
     EngineError,
     EngineLifecycle,
+    EngineNotRunning,
     FinishReason,
     SamplingParams,
     check_prompt,
@@ -153,7 +155,7 @@ class TransformersEngine(EngineLifecycle):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, stream: bool = True
     ) -> AsyncIterator[Chunk]:
         if self._worker is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         max_tokens = check_prompt(
             prompt_ids, self._model.config.vocab_size, params.max_tokens, self.max_model_len
         )
@@ -167,6 +169,8 @@ class TransformersEngine(EngineLifecycle):
                 item = await state.chunks.get()
                 if isinstance(item, BaseException):
                     raise EngineError(f"request {request_id} failed: {item!r}") from item
+                if item.finish_reason == "abort" and self._worker is None:  # cut by `stop`: no answer
+                    raise EngineNotRunning(NOT_RUNNING)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -195,7 +199,7 @@ class TransformersEngine(EngineLifecycle):
         if params.seed is not None:
             generator = torch.Generator(self._device).manual_seed(params.seed)
         if generator is None:
-            raise RuntimeError("the transformers engine is not started")
+            raise EngineNotRunning(NOT_RUNNING)
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         inputs = torch.tensor([prompt_ids], device=self._device)
         cache = None
@@ -233,7 +237,7 @@ class TransformersEngine(EngineLifecycle):
         Runs on the worker thread: requests before it finish on the old weights, later ones use the new.
         """
         if self._worker is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         started = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self._worker, self._copy_weights, Path(path))
         self.policy_version = version

@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ajet_hpc.engine.adapter import kind_mismatch
 from ajet_hpc.engine.base import (
+    NOT_RUNNING,
     Chunk,
     EngineError,
     EngineLifecycle,
+    EngineNotRunning,
     FinishReason,
     SamplingParams,
     check_prompt,
@@ -249,7 +251,7 @@ class VllmEngine(EngineLifecycle):
         from vllm.inputs import tokens_input
 
         if self._llm is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         lora = (
             self._lora if adapter is None else None if adapter == BARE_BASE else self._adapters.get(adapter)
         )
@@ -274,6 +276,8 @@ class VllmEngine(EngineLifecycle):
                     continue
                 if finish is not None and finish not in _FINISH_REASONS:
                     raise EngineError(f"request {request_id}: vLLM finished it with {finish!r}")
+                if finish == "abort" and self._llm is None:  # cut by `stop`: no answer, the server goes
+                    raise EngineNotRunning(NOT_RUNNING)
                 logprobs = _sampled_logprobs(token_ids, completion.logprobs)
                 if len(logprobs) != len(token_ids):
                     raise EngineError(f"request {request_id}: vLLM returned no logprob for some tokens")
@@ -297,7 +301,7 @@ class VllmEngine(EngineLifecycle):
         (placement colocate) is woken first.
         """
         if self._llm is None or self._reload_lock is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         path = Path(path)
         if not any(path.glob("*.safetensors")):
             raise EngineError(f"load_weights: no *.safetensors file in {path} (save with save_pretrained)")
@@ -324,7 +328,7 @@ class VllmEngine(EngineLifecycle):
         """Replace the served adapter ``name`` by the folder ``path`` in place, as `load_weights` does for
         the default one; ``tag`` runs before generation resumes (the model's policy version)."""
         if self._llm is None or self._reload_lock is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         if name not in self._adapters:
             raise EngineError(f"no adapter named {name!r}; the engine serves {sorted(self._adapters)}")
         mismatch = kind_mismatch(Path(path), True)
@@ -398,7 +402,7 @@ class VllmEngine(EngineLifecycle):
         are tagged with ``argument`` as their policy version, the prefix cache is reset, generation resumes).
         """
         if self._llm is None:
-            raise EngineError("the engine is not started: call start() first")
+            raise EngineNotRunning(NOT_RUNNING)
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
             WeightTransferUpdateRequest,

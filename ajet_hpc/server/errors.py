@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ajet_hpc.engine.base import EngineNotRunning
 from ajet_hpc.server.auth import AuthError, redact
 from ajet_hpc.server.http_schemas import ErrorDetail, ErrorResponse
 
@@ -66,6 +67,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_body(exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+
+    @app.exception_handler(EngineNotRunning)
+    async def _engine_not_running(_: Request, exc: EngineNotRunning) -> JSONResponse:
+        # outside a model call (the tokenizer of a stopped engine): the server is going down, as in serving
+        return error_body(503, str(exc), Unavailable.error_type, None, "engine_not_running")
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:

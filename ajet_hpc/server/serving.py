@@ -18,10 +18,10 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from ajet_hpc.config import ServingConfig
-from ajet_hpc.engine.base import Chunk, Engine, EngineError, PromptTooLong, SamplingParams
+from ajet_hpc.engine.base import Chunk, Engine, EngineError, EngineNotRunning, PromptTooLong, SamplingParams
 from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.episodes import OPEN, Episode
-from ajet_hpc.server.errors import BadRequest, NotFound
+from ajet_hpc.server.errors import BadRequest, NotFound, Unavailable
 from ajet_hpc.server.toolcalls import PARSERS, holdback
 from ajet_hpc.tracking.context import PromptPlan
 from ajet_hpc.tracking.timeline import USER
@@ -193,6 +193,8 @@ class Service:
             return await awaitable
         except PromptTooLong as exc:
             raise BadRequest(str(exc), param="messages", code="context_length_exceeded") from exc
+        except EngineNotRunning as exc:  # the server is going down (or not up): the client waits for it
+            raise Unavailable(str(exc), code="engine_not_running") from exc
         except EngineError as exc:
             raise BadRequest(str(exc)) from exc
         finally:

@@ -206,3 +206,39 @@ def test_a_server_that_cannot_prove_the_secret_stops_the_runner(server, tmp_path
     assert task.gone is not None and "does not hold the run secret" in str(task.gone)
     assert open_episodes(proxy.url) == begun_before and not begun  # no episode begun, none closed
     assert len(proxy.model_calls) == calls_before
+
+
+@pytest.mark.slow
+def test_a_server_whose_engine_stopped_is_waited_for_and_its_episodes_run_again(
+    tmp_path: Path, caplog
+) -> None:
+    """A server going down (its job requeued) stops its engine while its API still answers: model calls
+    then get 503 ``engine_not_running`` (they used to get 400, and the agents' episodes were lost as agent
+    failures). The runner takes that server as away: it waits, runs the episodes again once the engine
+    runs again, and aborts none. A real server and engine, stopped and started again by the test."""
+    harness = Harness("transformers", resolve_model("builtin:tiny", tmp_path / "models"))
+    try:
+        running = harness.serve()
+        harness._call(harness.engine.stop())
+        token = admin_token(running.url)
+        begun = httpx.post(
+            f"{running.url}/v1/episodes",
+            json={"task_id": "t", "group": "math"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        ).json()
+        call = httpx.post(
+            f"{begun['base_url']}/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4},
+            headers={"Authorization": f"Bearer {begun['api_key']}"},
+            timeout=30,
+        )
+        assert call.status_code == 503 and call.json()["error"]["code"] == "engine_not_running", call.text
+        restarted = threading.Timer(1.5, lambda: harness._call(harness.engine.start()))
+        restarted.start()
+        tally = run_task(make_run(tmp_path, running.url))
+        restarted.join()
+        assert tally is not None and (tally.finished, tally.aborted) == (2, 0), tally
+        assert "engine is not running" in caplog.text and "waiting to run it again" in caplog.text
+    finally:
+        harness.close()
