@@ -101,8 +101,8 @@ def test_256_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_pat
             states = [s for s in slurmcli.job_states([array]) if "_" in s.job_id]
             return states if len(states) == TASKS and all(s.state == "COMPLETED" for s in states) else None
 
-        wait_until(tasks_done, 900, f"the {TASKS} array tasks to complete", poll_s=2)
-        nodes = {_node(f"{array}_{i}") for i in range(TASKS)}
+        finished = wait_until(tasks_done, 900, f"the {TASKS} array tasks to complete", poll_s=2)
+        nodes = {state.nodes for state in finished}
         print(f"{TASKS} tasks on {len(nodes)} nodes in {time.monotonic() - started:.0f} s")
     finally:
         subprocess.run(["scancel", *jobs.values()], check=False, capture_output=True)
@@ -123,8 +123,3 @@ def test_256_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_pat
     for model in ("proposer", "solver"):  # one read as each task starts; polling would be many per task
         assert 0 < counts[f"{model}.json"] <= 2 * TASKS, counts
 
-
-def _node(task_id: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", task_id], capture_output=True, text=True).stdout
-    fields = dict(part.split("=", 1) for part in shown.split() if "=" in part)
-    return fields.get("NodeList", "?")

@@ -131,7 +131,7 @@ def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
     ]
     assert [h.step for h in events.Histograms("policy/response_lengths")] == [1, 2, 3]
     for row in rows:
-        assert row["samples"] == row["episodes"]  # one linear conversation each: one sample
+        assert row["samples"] == row["episodes"], row  # one linear conversation each: one sample
         assert row["samples_before_merge"] > row["samples"]
         assert row["tokens_before_merge"] > row["tokens_after_merge"]
         assert row["merge_snaps"] == {}  # keep_history: re-serialized tool calls do not break prefixes
