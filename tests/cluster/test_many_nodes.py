@@ -1,5 +1,5 @@
 """A client array over many nodes (issue 31): on the dev cluster's partition ``wide`` (16 nodes), one array
-of 128 tasks runs one episode each against two servers (``proposer`` and ``solver``, serving only). Every
+of 256 tasks runs one episode each against two servers (``proposer`` and ``solver``, serving only). Every
 task commits its episode exactly once and both servers recorded it; the tasks ran on all 16 nodes; and the
 whole run opened the servers' rendezvous files only as tasks started, never to poll a server that answers
 (opens counted by the kernel: inotify on ``RUN/servers``)."""
@@ -26,7 +26,7 @@ from ajet_hpc.storage.episode_store_reader import EpisodeReader
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
-TASKS, NODES = 128, 16  # 8 tasks a node: the tasks' start-up CPU bounds the test on 2 cores
+TASKS, NODES = 256, 16
 IN_OPEN, IN_Q_OVERFLOW = 0x20, 0x4000
 
 
@@ -83,7 +83,7 @@ def topology(run: Path) -> dict:
     return data
 
 
-def test_128_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_path: Path) -> None:
+def test_256_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_path: Path) -> None:
     run = tmp_path / "run"
     topology_file = write_topology(tmp_path, topology(run))
     written = run_module("ajet_hpc.launch", str(topology_file), "--no-submit")
@@ -122,3 +122,4 @@ def test_128_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_pat
     assert not opens.overflowed
     for model in ("proposer", "solver"):  # one read as each task starts; polling would be many per task
         assert 0 < counts[f"{model}.json"] <= 2 * TASKS, counts
+
