@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from ajet_hpc.engine.base import Chunk, Engine, EngineNotRunning, PromptTooLong, SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
-from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
+from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings, job_cpus
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 
 pytestmark = pytest.mark.slow
@@ -128,6 +128,13 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 async def collect(engine: Engine, prompt: list[int], params: SamplingParams, request_id: str) -> list[Chunk]:
     return [chunk async for chunk in engine.generate(prompt, params, request_id)]
+
+
+def test_the_transformers_engine_computes_with_the_jobs_cpus(transformers_engine: TransformersEngine) -> None:
+    """On the one thread that computes, torch runs as many threads as the job has CPUs (`job_cpus`)."""
+    worker = transformers_engine._worker
+    assert worker is not None
+    assert worker.submit(torch.get_num_threads).result() == transformers_engine.threads == job_cpus()
 
 
 def test_engines_meet_the_interface(engine: Engine) -> None:

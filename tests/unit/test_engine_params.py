@@ -3,6 +3,7 @@ sampling maths, settings and model specs."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from ajet_hpc.engine.base import EngineError, PromptTooLong, SamplingParams, check_prompt, fit_max_tokens
 from ajet_hpc.engine.model_path import resolve_model
-from ajet_hpc.engine.transformers_engine import TransformersSettings, completes_stop_string, sample
+from ajet_hpc.engine.transformers_engine import TransformersSettings, completes_stop_string, job_cpus, sample
 from ajet_hpc.engine.vllm_engine import VllmSettings
 
 
@@ -143,3 +144,15 @@ def test_model_spec_resolves_local_folders_and_refuses_the_rest(tmp_path: Path) 
         resolve_model("builtin:huge", tmp_path / "cache")
     (folder / "config.json").write_text("{}")
     assert resolve_model(str(folder), tmp_path / "cache") == folder.resolve()
+
+
+def test_the_transformers_engine_takes_the_jobs_cpus_not_the_nodes_cores() -> None:
+    """Slurm's grant caps the cores the process may run on (a cluster without core binding runs a 1-CPU
+    job on a node of many cores); a grant that cannot be read leaves the cores."""
+    cores = len(os.sched_getaffinity(0))
+    assert job_cpus({"SLURM_CPUS_PER_TASK": "1"}) == 1
+    assert job_cpus({"SLURM_CPUS_PER_TASK": str(cores + 7)}) == cores
+    assert job_cpus({}) == job_cpus({"SLURM_CPUS_PER_TASK": "two"}) == job_cpus({"SLURM_CPUS_PER_TASK": "0"})
+    assert job_cpus({}) == cores
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
+        TransformersSettings(cpu_threads=0)
