@@ -34,6 +34,7 @@ from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import create_engine, resolve_kind
 from ajet_hpc.engine.shared import SharedModel
+from ajet_hpc.engine.transformers_engine import job_cpus
 from ajet_hpc.engine.vllm_engine import BARE_BASE, VllmEngine
 from ajet_hpc.server.app import ServerContext
 from ajet_hpc.server.recorder import EpisodeRecorder
@@ -218,11 +219,12 @@ def engine_settings(
     config: ServerConfig, placement: Placement, kind: Literal["vllm", "transformers"], sync: SyncPlan
 ) -> dict[str, Any]:
     """The engine's settings from the server's fields: the ``vllm`` block unless the engine is
-    transformers; the vLLM engine is built with the transfer backend of the sync plan."""
+    transformers (then its threads: ``cpus``); the vLLM engine is built with the transfer backend of the
+    sync plan."""
     vllm = config.vllm
     common: dict[str, Any] = {"max_model_len": config.serving.max_model_len, "dtype": vllm.dtype}
-    if kind == "transformers":
-        return common
+    if kind == "transformers":  # torch's threads: the server's CPUs, also where no Slurm grants them
+        return {**common, "cpu_threads": min(config.cpus, job_cpus())}
     return {
         **common,
         "gpu_memory_utilization": vllm.gpu_memory_utilization,

@@ -119,6 +119,10 @@ def test_256_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_pat
             reader.close()
         assert all(states[r.episode_ids[model]] == "finished" for r in results), model
 
+    for model in ("proposer", "solver"):  # torch computes with the job's 1 CPU, not the host's cores
+        (log,) = (run / "logs" / f"server-{model}").glob("*_log.out")
+        assert "(torch.float32, 1 thread(s))" in log.read_text()
+
     assert not opens.overflowed
     for model in ("proposer", "solver"):  # one read as each task starts; polling would be many per task
         assert 0 < counts[f"{model}.json"] <= 2 * TASKS, counts
