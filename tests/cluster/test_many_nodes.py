@@ -126,4 +126,3 @@ def test_256_tasks_over_16_nodes_commit_each_episode_once_and_never_poll(tmp_pat
     assert not opens.overflowed
     for model in ("proposer", "solver"):  # one read as each task starts; polling would be many per task
         assert 0 < counts[f"{model}.json"] <= 2 * TASKS, counts
-
