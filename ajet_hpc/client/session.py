@@ -43,7 +43,8 @@ class ServerGoingDown(ServerAway):
 
 
 GOING_DOWN_CODE = "engine_not_running"
-"""The code of the server's 503 while its engine does not run (``server.serving``)."""
+"""The code of the server's 503 while its engine does not run (``server.errors.ENGINE_NOT_RUNNING``; the
+client imports nothing of the server)."""
 
 
 def going_down(status: int, code: object) -> bool:

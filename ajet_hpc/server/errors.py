@@ -48,6 +48,10 @@ class Unavailable(APIError):
     error_type = "service_unavailable"
 
 
+ENGINE_NOT_RUNNING = "engine_not_running"
+"""The code of the 503 while the engine does not run (the server is going down); clients wait for it."""
+
+
 def error_body(
     status: int, message: str, error_type: str, param: str | None, code: str | None
 ) -> JSONResponse:
@@ -71,7 +75,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineNotRunning)
     async def _engine_not_running(_: Request, exc: EngineNotRunning) -> JSONResponse:
         # outside a model call (the tokenizer of a stopped engine): the server is going down, as in serving
-        return error_body(503, str(exc), Unavailable.error_type, None, "engine_not_running")
+        return error_body(503, str(exc), Unavailable.error_type, None, ENGINE_NOT_RUNNING)
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, exc: AuthError) -> JSONResponse:

@@ -21,7 +21,7 @@ from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Chunk, Engine, EngineError, EngineNotRunning, PromptTooLong, SamplingParams
 from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.episodes import OPEN, Episode
-from ajet_hpc.server.errors import BadRequest, NotFound, Unavailable
+from ajet_hpc.server.errors import ENGINE_NOT_RUNNING, BadRequest, NotFound, Unavailable
 from ajet_hpc.server.toolcalls import PARSERS, holdback
 from ajet_hpc.tracking.context import PromptPlan
 from ajet_hpc.tracking.timeline import USER
@@ -194,7 +194,7 @@ class Service:
         except PromptTooLong as exc:
             raise BadRequest(str(exc), param="messages", code="context_length_exceeded") from exc
         except EngineNotRunning as exc:  # the server is going down (or not up): the client waits for it
-            raise Unavailable(str(exc), code="engine_not_running") from exc
+            raise Unavailable(str(exc), code=ENGINE_NOT_RUNNING) from exc
         except EngineError as exc:
             raise BadRequest(str(exc)) from exc
         finally:
