@@ -16,6 +16,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """torch computes with one thread in the test process. The in-process tests run the tiny models,
+    whose operations are too small for a second OpenMP thread to pay; on a busy 2-core host that thread
+    spins against every other process: 4 steps of tests/component/test_algorithms_learn.py took 17.8 s
+    with torch's default (2 threads) against 1.1 s with 1 (2026-12-07, a full test run beside it). An
+    engine sets its own computing thread's count (``TransformersSettings.cpu_threads``), and the ranks
+    and servers the tests start are processes of their own, so none of that is changed."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -3,12 +3,14 @@ step's mean reward first reaches ``--target`` (0.45), and the mean reward of the
 
 Every run is the real quickstart (``configs/quickstart.yaml``: vLLM on the CPU, DeepSpeed ZeRO-2 with 2
 ranks, 3 client tasks of the built-in agent) launched in the foreground on the local backend with
-``servers.policy.trainer.algorithm`` and ``.seed`` set, one after the other. A run that never reaches
-the target counts ``inf`` steps. Medians over the seeds; ``learned_<algorithm>`` is how many seeds ended
-(last five steps) above where they began (first five).
+``servers.policy.trainer.algorithm`` and ``.seed`` set (with the algorithm's ``SETTINGS``), one after
+the other. A run that never reaches the target counts ``inf`` steps. Medians over the seeds;
+``learned_<algorithm>`` is how many seeds ended (last five steps) above where they began (first five).
 
 The quickstart's eval rounds (``clients.math.eval``: 16 held-out sums x 4 samples at steps 0, 5, 10, ...
-and the last step) give ``eval_pass1_<algorithm>``: the median over seeds of pass@1 at the last step.
+and the last step) give ``eval_pass1_<algorithm>``: the median over seeds of pass@1 at the last step. A
+run without a pass@1 at its last step stops the benchmark (exit 1, naming algorithm and seed) rather
+than enter the median as ``nan``, where it would sort arbitrarily and leave a plausible-looking median.
 
 Ends with ``RESULT steps_to_target_<algorithm>=<median> final_reward_<algorithm>=<median>
 learned_<algorithm>=<seeds> eval_pass1_<algorithm>=<median> ...`` for every algorithm run.
@@ -33,18 +35,42 @@ from ajet_hpc.trainer import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Trainer overrides beyond ``trainer.algorithm``: the settings of SETTINGS in
+# tests/component/test_algorithms_learn.py, which says more about them. Under the trainer's defaults dapo
+# trains exactly what grpo trains: clip-higher (0.2 / 0.28) and skip_equal_groups with batch_policy tasks
+# (dynamic sampling: the collector refills) are grpo's defaults too. So dapo gets those written out and
+# overlong shaping on, its budget the agent's max_tokens (2), not serving.max_tokens (1024, which no
+# answer nears).
+SETTINGS: dict[str, list[str]] = {
+    "dapo": [
+        "clip_eps=0.2",
+        "clip_eps_high=0.28",
+        "skip_equal_groups=true",
+        "batch_policy=tasks",
+        "overlong={max_tokens: 2, buffer_tokens: 1, penalty: 0.25}",
+    ],
+}
+
+
+def overrides(folder: Path, algorithm: str, seed: int, steps: int) -> list[str]:
+    """The quickstart's overrides for one run."""
+    trainer = "servers.policy.trainer"
+    return [
+        f"run.dir={folder}",
+        f"{trainer}.algorithm={algorithm}",
+        *(f"{trainer}.{setting}" for setting in SETTINGS.get(algorithm, [])),
+        f"{trainer}.seed={seed}",
+        f"{trainer}.total_steps={steps}",
+        f"{trainer}.save_every={steps}",
+    ]
+
 
 def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> tuple[list[float], float]:
-    """One quickstart run; the reward mean of each step, and pass@1 of the last step's eval round."""
-    overrides = [
-        f"run.dir={folder}",
-        f"servers.policy.trainer.algorithm={algorithm}",
-        f"servers.policy.trainer.seed={seed}",
-        f"servers.policy.trainer.total_steps={steps}",
-        f"servers.policy.trainer.save_every={steps}",
-    ]
+    """One quickstart run; the reward mean of each step, and pass@1 of the last step's eval round
+    (``SystemExit`` naming the run when that round has none)."""
+    quickstart = str(REPO / "configs" / "quickstart.yaml")
     done = subprocess.run(
-        [sys.executable, "-m", "ajet_hpc.launch", str(REPO / "configs" / "quickstart.yaml"), *overrides],
+        [sys.executable, "-m", "ajet_hpc.launch", quickstart, *overrides(folder, algorithm, seed, steps)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -56,9 +82,23 @@ def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> tuple[list[
             f"{algorithm} seed {seed} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
         )
     rows = metrics.read_rows(folder / "metrics.jsonl")
-    evals = [row for row in metrics.read_eval_rows(folder / "metrics.jsonl") if row["step"] == steps]
-    final_pass1 = float(evals[-1]["eval_pass@1"]) if evals else math.nan
-    return [float(row["reward_mean"]) for row in rows], final_pass1
+    evals = metrics.read_eval_rows(folder / "metrics.jsonl")
+    return [float(row["reward_mean"]) for row in rows], last_pass1(evals, steps, f"{algorithm} seed {seed}")
+
+
+def last_pass1(evals: list[dict], steps: int, run: str) -> float:
+    """pass@1 of the eval round at step ``steps``; ``SystemExit`` naming ``run`` when there is none (no
+    round at that step, or a round in which no eval episode ended)."""
+    last = [row for row in evals if row["step"] == steps]
+    if not last:
+        rounds = sorted({int(row["step"]) for row in evals})
+        raise SystemExit(
+            f"{run}: no eval round at step {steps} (rounds at steps {rounds}); no pass@1 to report"
+        )
+    value = last[-1].get("eval_pass@1")
+    if value is None or not math.isfinite(float(value)):
+        raise SystemExit(f"{run}: the eval round at step {steps} has pass@1 {value} (no eval episode ended?)")
+    return float(value)
 
 
 def steps_to(rewards: list[float], target: float) -> float:
