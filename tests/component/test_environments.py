@@ -54,22 +54,42 @@ print(json.dumps(out))
 """
 
 
-def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(tmp_path: Path) -> None:
-    """configs/reasoning_gym.yaml for 3 steps: chain_sum, gcd and count_bits as three groups in one
-    runtime; every step trains all three (rewards per dataset in its row), every episode is stored with the
-    answer it was scored on, and reasoning-gym itself, run apart from our code, gives the same rewards."""
-    run = tmp_path / "rg"
-    config = REPO / "configs" / "reasoning_gym.yaml"
-    steps = "servers.policy.trainer.total_steps=3"
-    done = run_module("ajet_hpc.launch", str(config), f"run.dir={run}", steps, timeout_s=900)
+@pytest.fixture(scope="module")
+def rg_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """configs/reasoning_gym.yaml for 3 steps with configs/math_answers.yaml's group beside its three (a
+    quarter of each batch's tasks each): one server start for both environments, each group in its own
+    runtime (envs/reasoning-gym.txt, envs/math.txt)."""
+    folder = tmp_path_factory.mktemp("rg-run")
+    run = folder / "run"
+    topology = yaml.safe_load((REPO / "configs" / "reasoning_gym.yaml").read_text())
+    (sums,) = yaml.safe_load((REPO / "configs" / "math_answers.yaml").read_text())["clients"]
+    topology["clients"].append(sums)
+    for group in topology["clients"]:
+        group["ratio"] = 0.25
+    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 8}  # 2 tasks a group a step
+    topology["run"]["dir"] = str(run)
+    done = run_module("ajet_hpc.launch", str(write_topology(folder, topology)), timeout_s=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
+    assert "unexpected error on" not in server_log and "Traceback" not in server_log  # no 5xx answered
+    return run
+
+
+def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(rg_run: Path) -> None:
+    """configs/reasoning_gym.yaml's groups (the shared run): chain_sum, gcd and count_bits as three groups
+    in one runtime; every step trains all three (rewards per dataset in its row), every episode is stored
+    with the answer it was scored on, and reasoning-gym itself, run apart from our code, gives the same
+    rewards."""
+    run = rg_run
+    config = REPO / "configs" / "reasoning_gym.yaml"
     groups = {"chain_sum", "gcd", "count_bits"}
     rows = metrics.read_rows(run / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
-        assert set(row["reward_by_group"]) == groups and row["client_groups"] == dict.fromkeys(groups, 2)
+        assert set(row["reward_by_group"]) == groups | {"sums"}
+        assert row["client_groups"] == dict.fromkeys(groups | {"sums"}, 2)
     with EpisodeReader(run / "data" / "policy.h5") as reader:
-        finished = [s for s in reader.summaries() if s["state"] == "finished"]
+        finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] in groups]
     assert {s["group"] for s in finished} == groups
     assert all(s["metadata"]["dataset"] == s["group"] for s in finished)
     sources = {g.name: parse_reasoning_gym(g.tasks) for g in load_topology(config).clients}
@@ -80,8 +100,6 @@ def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(t
         asked.append([name, {"size": 200, "seed": 1, **params}, index, s["metadata"]["answer"]])
     rescored = in_runtime(run, "reasoning-gym", RESCORE, asked)
     assert rescored == pytest.approx([s["reward"] for s in finished[:60]])
-    server_log = "".join(p.read_text() for p in (run / "logs" / "server-policy").glob("*_log.out"))
-    assert "unexpected error on" not in server_log and "Traceback" not in server_log  # no 5xx answered
 
 
 VERIFY = """
@@ -101,18 +119,16 @@ with ThreadPoolExecutor(4) as pool:  # from threads, as a runner calls agents
 """
 
 
-def test_math_verify_rewards_math_answers_in_a_short_training_run(tmp_path: Path) -> None:
-    """configs/math_answers.yaml for 3 steps in the runtime envs/math.txt: every episode's reward is
-    math-verify's verdict on its answer against the oracle answer (checked with math-verify itself), and
-    the helper gives math's answer from agent threads (equivalent forms match, others do not)."""
-    run = tmp_path / "math"
+def test_math_verify_rewards_math_answers_in_a_short_training_run(rg_run: Path) -> None:
+    """configs/math_answers.yaml's group (the shared run), in the runtime envs/math.txt: every episode's
+    reward is math-verify's verdict on its answer against the oracle answer (checked with math-verify
+    itself), and the helper gives math's answer from agent threads (equivalent forms match, others do
+    not)."""
+    run = rg_run
     config = REPO / "configs" / "math_answers.yaml"
-    steps = "servers.policy.trainer.total_steps=3"
-    done = run_module("ajet_hpc.launch", str(config), f"run.dir={run}", steps, timeout_s=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [row["step"] for row in metrics.read_rows(run / "metrics.jsonl")] == [1, 2, 3]
     with EpisodeReader(run / "data" / "policy.h5") as reader:
-        finished = [s for s in reader.summaries() if s["state"] == "finished"]
+        finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] == "sums"]
+    assert finished
     (group,) = load_topology(config).clients
     name, params = parse_reasoning_gym(group.tasks)
     gold_of = in_runtime(run, "math", GOLDS, [name, {"size": 200, "seed": 2, **params}])
