@@ -1,5 +1,6 @@
 """A coordinator over a real engine, fed finished episodes straight into its collector, as the server's
-recorder hands them (tests/component: test_coordinator_overlap, test_weight_sync)."""
+recorder hands them (tests/component: test_coordinator_overlap, test_weight_sync). Its host has a real
+server store (the steps are recorded there, a restart reads it back)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ajet_hpc.engine.transformers_engine import TransformersEngine
 from ajet_hpc.engine.vllm_engine import VllmEngine
 from ajet_hpc.server.app import ServerContext
 from ajet_hpc.server.episodes import FINISHED, Episode
+from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.trainer.coordinator import Coordinator
@@ -43,9 +45,9 @@ def finished(tokenizer: PreTrainedTokenizerBase, task: str, repeat: int, version
 def coordinator_for(
     tmp_path: Path, engine: Engine, rank_env: Mapping[str, str] | None = None, **trainer: object
 ) -> Coordinator:
-    """A coordinator of server ``policy`` hosted by a bare `ServerContext` over ``engine``, its run folder
-    ``tmp_path/run``, its weight sync decided as the server decides it; ``rank_env``: the ranks' environment
-    (None: this process's)."""
+    """A coordinator of server ``policy`` hosted by a `ServerContext` over ``engine`` and its server store,
+    its run folder ``tmp_path/run``, its weight sync decided as the server decides it; ``rank_env``: the
+    ranks' environment (None: this process's)."""
     data = topology_dict(tmp_path / "run")
     data["servers"][0]["trainer"] = {
         "ranks": 1,
@@ -57,8 +59,14 @@ def coordinator_for(
         **trainer,
     }
     server = load_topology(data).servers[0]
+    run = RunDir(tmp_path / "run")
+    run.data_dir.mkdir(parents=True, exist_ok=True)
     ctx = ServerContext(
-        name="policy", engine=engine, settings=ServingConfig(max_model_len=1024), secret=SECRET
+        name="policy",
+        engine=engine,
+        settings=ServingConfig(max_model_len=1024),
+        secret=SECRET,
+        recorder=EpisodeRecorder(run.server_store("policy")),
     )
     assert isinstance(engine, VllmEngine | TransformersEngine), engine
     kind: Literal["vllm", "transformers"] = "vllm" if isinstance(engine, VllmEngine) else "transformers"
@@ -67,7 +75,7 @@ def coordinator_for(
     setup = TrainerSetup(
         server=server,
         model_path=engine.model_path,
-        run=RunDir(tmp_path / "run"),
+        run=run,
         on_slurm=False,
         placement=placement,
         sync=sync,
@@ -75,3 +83,10 @@ def coordinator_for(
         rank_env=rank_env,
     )
     return Coordinator(ctx, setup)
+
+
+def close_store(coordinator: Coordinator) -> None:
+    """Close the server store of ``coordinator``'s host, as the server does when it stops
+    (``server.app.running``): a next server process on the same run opens it again."""
+    assert isinstance(coordinator.host, ServerContext)
+    coordinator.host.recorder.close()

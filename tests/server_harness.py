@@ -1,12 +1,15 @@
 """Real servers for tests: one engine per harness, started once in its own event loop thread, behind
-any number of uvicorn apps (each with its own serving settings) on free loopback ports."""
+any number of uvicorn apps (each with its own serving settings and its own real server store) on free
+loopback ports."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import functools
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import EngineKind, create_engine
 from ajet_hpc.server.app import ServerContext, create_app
 from ajet_hpc.server.process import uvicorn_config
+from ajet_hpc.server.recorder import EpisodeRecorder
 
 SECRET = "5e" * 32
 
@@ -60,21 +64,33 @@ def admin_token(url: str, secret: str = SECRET) -> str:
 
 class Harness:
     def __init__(self, kind: EngineKind, model_path: Path, max_model_len: int = 1024) -> None:
-        self.engine = create_engine(kind, model_path, max_model_len=max_model_len)
+        # one torch thread, as the test process computes (tests/conftest.py): the default, the host's
+        # cores, spins a second thread against every other process of the suite
+        threads = {"cpu_threads": 1} if kind == "transformers" else {}
+        self.engine = create_engine(kind, model_path, max_model_len=max_model_len, **threads)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"harness-{kind}", daemon=True)
         self.thread.start()
         self.servers: list[RunningServer] = []
+        self.stores = Path(tempfile.mkdtemp(prefix="ajet-harness-stores-"))  # each server's store
         self._call(self.engine.start())
 
     def _call(self, coroutine, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def serve(self, name: str = "policy", tls: tuple[str, str] | None = None, **settings) -> RunningServer:
-        """A server on a free loopback port; ``tls``: (certfile, keyfile) to speak HTTPS."""
+    def serve(
+        self, name: str = "policy", tls: tuple[str, str] | None = None, store: Path | None = None, **settings
+    ) -> RunningServer:
+        """A server on a free loopback port; ``tls``: (certfile, keyfile) to speak HTTPS; ``store``: its
+        server store's file (default: a new one in the harness's temporary folder), closed with the server."""
         base = {"max_model_len": self.engine.max_model_len, "max_tokens": 64}
+        recorder = EpisodeRecorder(store or self.stores / f"{name}-{len(self.servers)}.h5")
         ctx = ServerContext(
-            name=name, engine=self.engine, settings=ServingConfig(**{**base, **settings}), secret=SECRET
+            name=name,
+            engine=self.engine,
+            settings=ServingConfig(**{**base, **settings}),
+            secret=SECRET,
+            recorder=recorder,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -100,3 +116,4 @@ class Harness:
         self._call(self.engine.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        shutil.rmtree(self.stores, ignore_errors=True)

@@ -31,6 +31,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ajet_hpc import fault_injection
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.launch import registry
 from ajet_hpc.launch.backends.base import BackendError
@@ -44,8 +45,7 @@ from ajet_hpc.storage.rundir import RunDir
 log = logging.getLogger("ajet_hpc.launch.keeper")  # also when run as __main__
 
 POLL_S = 60.0
-POLL_VAR = "AJET_KEEPER_POLL_S"
-"""Seconds between two passes (default ``POLL_S``); tests shorten it."""
+"""Seconds between two passes (a test shortens it with the hook `fault_injection.KEEPER_POLL_S`)."""
 DIED_WHOLE = frozenset({"NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's checkpoint signal is the server's business
-    poll_s = float(os.environ.get(POLL_VAR) or POLL_S)
+    poll_s = float(fault_injection.armed(fault_injection.KEEPER_POLL_S) or POLL_S)  # tests only
     keep(RunDir.at(args.run_dir), args.server, os.getppid(), threading.Event(), poll_s)
     return 0
 

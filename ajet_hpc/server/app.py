@@ -10,14 +10,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI
 
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.server import challenge, eval_routes, heap, watchdog
-from ajet_hpc.server.episodes import EpisodeRegistry
+from ajet_hpc.server.episodes import Episode, EpisodeRegistry
 from ajet_hpc.server.errors import install_error_handlers
 from ajet_hpc.server.gate import RequestGate
 from ajet_hpc.server.router import router
@@ -25,11 +26,42 @@ from ajet_hpc.server.serving import Service
 
 if TYPE_CHECKING:  # the server builds these in server/assembly.py; the HTTP front does not import them
     from ajet_hpc.config.evaluation import EvalConfig
-    from ajet_hpc.server.recorder import EpisodeRecorder
+    from ajet_hpc.storage.records import StepRecord
     from ajet_hpc.trainer.coordinator import Coordinator
     from ajet_hpc.trainer.evaluation import EvalRounds
 
 log = logging.getLogger(__name__)
+
+
+class ServerStore(Protocol):
+    """The server store as a server uses it: `ajet_hpc.server.recorder.EpisodeRecorder`, which writes
+    ``RUN/data/<model>.h5`` on its own thread (``server.assembly`` opens it). The proxy benchmark passes one
+    that stores nothing (``tools/bench/proxy_procs.py``: it measures the API alone, docs/reliability.md)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def submit(self, episode: Episode) -> None:
+        """Queue a closed episode."""
+        ...
+
+    def submit_step(self, record: StepRecord) -> None: ...
+
+    def on_written(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(episode)`` once a submitted episode is in the store."""
+        ...
+
+    async def written(self) -> bool:
+        """Whether everything queued so far is in the store (waits for it)."""
+        ...
+
+    def unwritten_ids(self) -> frozenset[str]:
+        """The episodes closed but not yet in the store."""
+        ...
+
+    def flush(self, timeout_s: float = 60.0) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -40,11 +72,11 @@ class ServerContext:
     engine: Engine
     settings: ServingConfig
     secret: str
+    recorder: ServerStore  # closed episodes and steps to RUN/data/<model>.h5
     job_id: str = "local"
     public_url: str = ""  # how agents reach this server; set once the port is known
     started_at: float = field(default_factory=time.time)
     coordinator: Coordinator | None = None  # when the model trains (`attach_trainer`)
-    recorder: EpisodeRecorder | None = None  # closed episodes to RUN/data/<model>.h5 (`attach_recorder`)
     on_finished: Callable[[], None] | None = None  # called once training is complete
     on_failed: Callable[[], None] | None = None  # called once the watchdog gives up (``fail``)
     reason: str | None = None  # why the server finished early or failed (rendezvous, /v1/status)
@@ -67,6 +99,7 @@ class ServerContext:
             self.settings.episode_timeout_s,
             keep_history=self.settings.keep_history,
         )
+        self.episodes.on_closed(self.recorder.submit)
         self.admission = asyncio.Event()
         self.admission.set()
 
@@ -83,20 +116,12 @@ class ServerContext:
             return "trained"
         return "training" if self.coordinator is not None else "serving"
 
-    def attach_recorder(self, recorder: EpisodeRecorder) -> None:
-        self.recorder = recorder
-        self.episodes.on_closed(recorder.submit)
-
     def attach_trainer(self, coordinator: Coordinator) -> None:
         """The trainer's collector takes each finished episode once it is in the store (see
-        ``EpisodeRecorder.on_written``); without a store (tests), once it is closed. The context is the
-        coordinator's `TrainerHost` (``trainer.host``)."""
+        ``EpisodeRecorder.on_written``). The context is the coordinator's `TrainerHost` (``trainer.host``)."""
         self.coordinator = coordinator
-        if self.recorder is not None:
-            self.episodes.on_closed(coordinator.collector.announce)  # coming: its task group waits for it
-            self.recorder.on_written(coordinator.collector.add)
-        else:
-            self.episodes.on_closed(coordinator.collector.add)
+        self.episodes.on_closed(coordinator.collector.announce)  # coming: its task group waits for it
+        self.recorder.on_written(coordinator.collector.add)
 
     @property
     def step(self) -> int:
@@ -170,8 +195,7 @@ async def running(ctx: ServerContext) -> AsyncIterator[None]:
             task.cancel()
         if ctx.coordinator is not None:
             ctx.coordinator.close()
-        if ctx.recorder is not None:
-            ctx.recorder.close()
+        ctx.recorder.close()
 
 
 def create_app(ctx: ServerContext, manage_engine: bool = True, freeze_heap: bool = False) -> FastAPI:

@@ -136,17 +136,17 @@ def model_context(
 ) -> ServerContext:
     """One model's context: its store open, its ended episodes restored, its trainer attached."""
     run, topology = parts.run, parts.topology
+    # group commit: episodes ending together share one fsync (docs/storage.md)
+    recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
     ctx = ServerContext(
         name=config.name,
         engine=engine,
         settings=config.serving,
         secret=run.read_secret(),
+        recorder=recorder,
         job_id=parts.job.environment.job_id,
         public_url=url,
     )
-    # group commit: episodes ending together share one fsync (docs/storage.md)
-    recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
-    ctx.attach_recorder(recorder)
     stored = stored_summaries(recorder.path)  # read once the writer holds the store's lease
     restored = ctx.episodes.restore_ended(stored)
     if restored:
@@ -203,14 +203,13 @@ def eval_rounds(
     ]
     if not plans or config.trainer is None:
         return None
-    recorder = ctx.recorder
     return EvalRounds(
         config.name,
         plans,
         config.trainer.total_steps,
         run.metrics_file,
         ended_keys=ctx.episodes.ended_keys,
-        written=recorder.written if recorder is not None else None,
+        written=ctx.recorder.written,
         trackers=lambda: ctx.coordinator.trackers if ctx.coordinator is not None else None,
     )
 

@@ -231,7 +231,7 @@ def _save_on_signal(contexts: list[ServerContext], budget_s: float) -> None:
     finally:
         for ctx in contexts:
             left = max(1.0, budget_s - (time.monotonic() - started))
-            if ctx.recorder is not None and not ctx.recorder.flush(left):
+            if not ctx.recorder.flush(left):
                 log.warning("signal: the episode store of %s did not flush in time", ctx.name)
 
 

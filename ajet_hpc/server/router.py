@@ -112,7 +112,7 @@ async def ended(request: Request, group: str) -> p.EndedEpisodes:
     them instead of running them again."""
     ctx = _ctx(request)
     authorize_run_call(ctx.secret, _authorization(request))
-    unwritten = ctx.recorder.unwritten_ids() if ctx.recorder is not None else frozenset()
+    unwritten = ctx.recorder.unwritten_ids()
     return p.EndedEpisodes(
         group=group,
         ended=[
@@ -150,7 +150,7 @@ async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest):
     summary = ctx.episodes.end(
         episode_id, body.reward, body.task_id, body.turn_rewards, body.metadata, body.group, body.repeat
     )
-    if ctx.recorder is not None and not await ctx.recorder.written():
+    if not await ctx.recorder.written():
         # Answer once the episode is committed in the server store: a client commits its result only
         # after this answer, so whatever a client holds, a restarted server knows too (exactly once). A
         # retried end (a duplicate) waits as well: its first answer may have been this 503.

@@ -166,7 +166,7 @@ class BatchCollector:
         if _trainable(episode):
             self._in_transit[_key(episode)] += 1
 
-    # The recorder calls this for every closed episode once it is stored (the registry, without a store).
+    # The recorder calls this for every closed episode once it is stored.
     def add(self, episode: EpisodeData) -> None:
         if not _trainable(episode):  # aborted, dropped, empty, or an eval episode (scored by its round)
             return  # never announced either: an aborted repeat must not take a finished one's place

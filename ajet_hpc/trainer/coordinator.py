@@ -364,7 +364,7 @@ class Coordinator:
     async def _restore_collector(self) -> None:
         """Once per server process: the finished episodes of an earlier life that no step consumed go back
         into the collector (those too stale for the resumed policy are dropped and reported)."""
-        if self._restored or self.host.recorder is None:
+        if self._restored:
             return
         self._restored = True
         path = self.host.recorder.path
@@ -649,8 +649,7 @@ class Coordinator:
         self.last_step_at = row["time"]
         if self.trackers is not None:
             self.trackers.log(row, step_histograms(batch.episodes, samples))
-        if self.host.recorder is not None:
-            self.host.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
+        self.host.recorder.submit_step(StepRecord(step=self.step, metrics=row, samples=samples))
         log.info(
             "step %d/%d  reward %.3f±%.3f  loss %.4f  entropy %s  tokens %s  samples %d→%d  step %.2fs  "
             "weight sync %.0f ms  coordinator %.2fs (%.2fs while the ranks waited)",

@@ -73,7 +73,7 @@ class EvalRounds:
         total_steps: int,
         metrics_path: Path,
         ended_keys: Ended,
-        written: Callable[[], Awaitable[bool]] | None = None,
+        written: Callable[[], Awaitable[bool]],
         trackers: Callable[[], Trackers | None] = lambda: None,
     ) -> None:
         self.model, self.total_steps, self.metrics_path = model, total_steps, metrics_path
@@ -186,8 +186,7 @@ class EvalRounds:
         current = self.open.get(group)
         if current is None:
             return
-        if self.written is not None:
-            await self.written()  # the round's episodes are in the store before its row is written
+        await self.written()  # the round's episodes are in the store before its row is written
         if self.open.get(group) is not current:
             return
         del self.open[group]

@@ -61,8 +61,8 @@ class TrainerHost(Protocol):
         ...
 
     @property
-    def recorder(self) -> StepStore | None:
-        """The server store (None: no store, in some tests)."""
+    def recorder(self) -> StepStore:
+        """The server store."""
         ...
 
     @property

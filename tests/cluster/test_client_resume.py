@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from support import run_module, topology_dict, wait_until, write_topology
 
+from ajet_hpc import fault_injection
 from ajet_hpc.launch import registry
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import ClientStore
@@ -71,7 +72,7 @@ def kill_whole_task(array_id: str, index: int) -> None:
 
 
 def test_client_array_resumes_after_requeue_and_kill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AJET_KEEPER_POLL_S", "3")  # the keeper's pass (60 s by default), in the server job
+    monkeypatch.setenv(fault_injection.KEEPER_POLL_S, "3")  # the keeper's pass (60 s in production)
     run = tmp_path / "run"
     data = topology_dict(run, backend="slurm", array=ARRAY)
     data["servers"][0]["trainer"] = None  # serve only: the clients' work is finite

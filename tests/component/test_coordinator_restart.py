@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
-from coordinator_support import REPEATS, coordinator_for, finished
+from coordinator_support import REPEATS, close_store, coordinator_for, finished
 
 from ajet_hpc import fault_injection
 from ajet_hpc.engine.select import create_engine
@@ -38,10 +38,13 @@ async def train(
             None if exit_after is None else {**os.environ, fault_injection.EXIT_AFTER_COMMIT: str(exit_after)}
         )
         coordinator = coordinator_for(tmp_path, engine, rank_env, save_every=1, max_staleness=3, **trainer)
-        for task in tasks:
-            for repeat in range(REPEATS):
-                coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
-        await coordinator.run()
+        try:
+            for task in tasks:
+                for repeat in range(REPEATS):
+                    coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
+            await coordinator.run()
+        finally:
+            close_store(coordinator)  # as the server stops: the next job's server opens it again
     finally:
         await engine.stop()
 

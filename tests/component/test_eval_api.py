@@ -29,6 +29,7 @@ def server(hf_harness: Harness, tmp_path: Path):
         total_steps=10,
         metrics_path=tmp_path / "metrics.jsonl",
         ended_keys=running.ctx.episodes.ended_keys,
+        written=running.ctx.recorder.written,
     )
     yield running
     running.server.should_exit = True

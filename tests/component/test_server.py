@@ -362,9 +362,13 @@ import asyncio, gc, sys
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.server.app import ServerContext, create_app
+from ajet_hpc.server.recorder import EpisodeRecorder
 
 engine = create_engine("transformers", sys.argv[1], max_model_len=256)
-ctx = ServerContext(name="policy", engine=engine, settings=ServingConfig(), secret="5e" * 32)
+recorder = EpisodeRecorder(sys.argv[3])
+ctx = ServerContext(
+    name="policy", engine=engine, settings=ServingConfig(), secret="5e" * 32, recorder=recorder
+)
 app = create_app(ctx, manage_engine=False, freeze_heap=sys.argv[2] == "freeze")
 
 async def main():
@@ -378,7 +382,7 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize("freeze", [True, False], ids=["server-process", "in-process-app"])
-def test_the_server_process_freezes_its_startup_heap(tiny_model: Path, freeze: bool) -> None:
+def test_the_server_process_freezes_its_startup_heap(tiny_model: Path, tmp_path: Path, freeze: bool) -> None:
     """The server's own process (``ajet_hpc.server.process`` passes ``freeze_heap``) moves the startup heap
     (libraries, engine, tokenizer) out of the garbage collector's sight once started, as ``vllm serve``
     does, and runs the heap ager; an app made in another process (tests, embedding) leaves that process's
@@ -386,7 +390,14 @@ def test_the_server_process_freezes_its_startup_heap(tiny_model: Path, freeze: b
     import subprocess
     import sys
 
-    probe = [sys.executable, "-c", _HEAP_PROBE, str(tiny_model), "freeze" if freeze else "keep"]
+    probe = [
+        sys.executable,
+        "-c",
+        _HEAP_PROBE,
+        str(tiny_model),
+        "freeze" if freeze else "keep",
+        str(tmp_path / "policy.h5"),
+    ]
     done = subprocess.run(probe, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     before, after, aging = done.stdout.split()[-3:]

@@ -462,8 +462,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory):
     """A real server (tiny model, transformers engine) with an episode store, and its published schema."""
     root = tmp_path_factory.mktemp("fuzz")
     harness = Harness("transformers", resolve_model("builtin:tiny", root / "models"))
-    server = harness.serve(max_tokens=8, max_n=2)
-    server.ctx.attach_recorder(EpisodeRecorder(root / "policy.h5"))
+    server = harness.serve(max_tokens=8, max_n=2, store=root / "policy.h5")
     spec = httpx.get(f"{server.url}/openapi.json", timeout=30).raise_for_status().json()
     yield server, spec, root / "policy.h5"
     harness.close()
@@ -478,7 +477,7 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
         model_calls * 3 if kind == "episode" else [op for op in ops if "/v1/episodes" in op.path]
     )
     log = FuzzLog()
-    assert server.ctx.recorder is not None  # the fixture attached one
+    assert isinstance(server.ctx.recorder, EpisodeRecorder)
     log.store_failures_before = server.ctx.recorder.failed
     http = httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S)
     started = time.monotonic()
@@ -540,7 +539,7 @@ def fuzz(server: RunningServer, spec: dict[str, Any], kind: str) -> FuzzLog:
 def assert_recorded(log: FuzzLog, server: RunningServer, store: Path) -> None:
     """Every end the server accepted is in the store, once."""
     recorder = server.ctx.recorder
-    assert recorder is not None  # the fixture attached one
+    assert isinstance(recorder, EpisodeRecorder)
     assert recorder.flush(60), "the episode store did not take the ended episodes within 60 s"
     with EpisodeReader(store) as reader:
         stored = Counter(s["episode_id"] for s in reader.summaries())

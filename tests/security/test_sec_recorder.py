@@ -80,10 +80,10 @@ def test_an_end_the_store_cannot_take_is_answered_503_and_not_offered_for_commit
     to training (``on_written``: the trainer's collector), and the same end again, once space is back,
     answers the recorded result."""
     monkeypatch.setattr(recorder_module, "RETRY_S", 0.5)
-    server = harness.serve()
     EpisodeWriter(small_disk / "policy.h5", chunk_tokens=1024).close()
-    recorder = EpisodeRecorder(small_disk / "policy.h5")
-    server.ctx.attach_recorder(recorder)
+    server = harness.serve(store=small_disk / "policy.h5")
+    recorder = server.ctx.recorder
+    assert isinstance(recorder, EpisodeRecorder)
     trainable: list[tuple[str, bool]] = []  # (episode id, on the server's event loop thread)
     recorder.on_written(lambda episode: trainable.append((episode.episode_id, _on_a_loop())))
     try:

@@ -145,9 +145,16 @@ def ended(rewards: dict[tuple[str, int], float]):
     return lambda group: [((group, t, r), SimpleNamespace(reward=v)) for (t, r), v in rewards.items()]
 
 
+async def stored() -> bool:
+    """A ``written`` whose store holds every ended episode already (these ends are in memory only)."""
+    return True
+
+
 def rounds(tmp_path: Path, rewards: dict, array: int = 1, **eval_fields) -> EvalRounds:
     plan = EvalPlan("math-eval", "math", EvalConfig(tasks="builtin:a", **eval_fields), array)
-    return EvalRounds("policy", [plan], 12, tmp_path / "metrics.jsonl", ended_keys=ended(rewards))
+    return EvalRounds(
+        "policy", [plan], 12, tmp_path / "metrics.jsonl", ended_keys=ended(rewards), written=stored
+    )
 
 
 def test_rounds_open_at_the_start_every_n_steps_and_at_the_last(tmp_path: Path) -> None:

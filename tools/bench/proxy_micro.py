@@ -17,7 +17,7 @@ for _path in (str(REPO), str(HERE)):
         sys.path.insert(0, _path)
 
 from proxy_load import chat_body  # noqa: E402
-from proxy_procs import MAX_MODEL_LEN, MODEL  # noqa: E402
+from proxy_procs import MAX_MODEL_LEN, MODEL, NoStore  # noqa: E402
 from proxy_report import fmt, table  # noqa: E402
 
 
@@ -41,6 +41,7 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
         engine=engine,
         settings=ServingConfig(max_model_len=MAX_MODEL_LEN, max_tokens=256),
         secret=secret,
+        recorder=NoStore(),
     )
     tokenizer = engine.tokenizer
     episode = ctx.episodes.begin("bench", None, {})

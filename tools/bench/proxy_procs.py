@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -204,6 +206,35 @@ def start_vllm(model_dir: Path, workdir: Path) -> Proc:
 
 
 # ============================================================================== server (subprocess side)
+class NoStore:
+    """A server store that stores nothing (``ajet_hpc.server.app.ServerStore``): the proxy benchmark measures
+    the API alone, without the HDF5 commit each end waits for in a real server (that cost is
+    ``tools/bench/store.py``'s; docs/reliability.md, "Costs"). Every episode counts as written at once."""
+
+    path = Path("/dev/null")
+
+    def submit(self, episode: object) -> None:
+        pass
+
+    def submit_step(self, record: object) -> None:
+        pass
+
+    def on_written(self, callback: Callable[[Any], None]) -> None:
+        pass
+
+    async def written(self) -> bool:
+        return True
+
+    def unwritten_ids(self) -> frozenset[str]:
+        return frozenset()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 def _server_class():
     """The server class ajet_hpc.server.process runs (uvicorn minus re-raising SIGTERM after shutdown),
     so that the profile is written on the way out."""
@@ -257,6 +288,7 @@ def serve_main(argv: list[str]) -> int:
         engine=engine,
         settings=ServingConfig(max_model_len=MAX_MODEL_LEN, max_tokens=256),
         secret=os.environ[SECRET_ENV],
+        recorder=NoStore(),
         job_id="bench",
         public_url=f"http://127.0.0.1:{args.port}",
     )
