@@ -13,6 +13,8 @@ lines the server writes:
   step's line, or to ``resumed ... at step``);
 - ``training``: the steps and eval rounds (the first step to ``training of ... finished``);
 - ``stop``: the end of training to the server's last line;
+- ``cut short``: a start that never finished its training (stopped by a signal, killed, or serving only):
+  its last phase's line to its last line;
 - ``requeue gap``: the last line of one start to the first of the next (Slurm's requeue, its credential
   wait, the scheduler).
 
@@ -72,21 +74,24 @@ def phases(
         if name == "engine":
             engines[pattern.search(line)[1]] += 1  # type: ignore[index]
         at, index = t, hit
-    if index and MARKS[-1][1].search(stamped[index][1]):
-        totals["stop"] += round((stamped[-1][0] - at).total_seconds())
-        counts["stop"] += 1
+    rest = "stop" if index and MARKS[-1][1].search(stamped[index][1]) else "cut short"
+    totals[rest] += round((stamped[-1][0] - at).total_seconds())
+    counts[rest] += 1
     return stamped[0][0], stamped[-1][0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path)
+    parser.add_argument("--per-run", action="store_true", help="also one line per run folder")
     args = parser.parse_args()
     totals: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     engines: Counter[str] = Counter()
     logs = sorted(args.folder.glob("**/logs/server-*/*_log.out"))
+    per_run: dict[Path, Counter[str]] = {}
     for log in logs:
+        before = totals.copy()
         previous_end = None
         for piece in starts(log.read_text(errors="replace")):
             if not any(stamp(line) for line in piece):
@@ -96,10 +101,17 @@ def main() -> None:
                 totals["requeue gap"] += round((first - previous_end).total_seconds())
                 counts["requeue gap"] += 1
             previous_end = last
+        run = log.parents[2]
+        per_run.setdefault(run, Counter()).update(totals - before)
     print(f"{len(logs)} server logs under {args.folder}")
-    for name in [*(m for m, _ in MARKS), "stop", "requeue gap"]:
+    for name in [*(m for m, _ in MARKS), "stop", "cut short", "requeue gap"]:
         print(f"{name:12s} {totals[name]:8.0f} s  over {counts[name]:4d} starts")
     print("engines loaded:", dict(engines))
+    if args.per_run:
+        names = [*(m for m, _ in MARKS), "stop", "cut short", "requeue gap"]
+        print("run " + " ".join(f"{n[:10]:>10s}" for n in names))
+        for run, phase in sorted(per_run.items(), key=lambda item: -sum(item[1].values())):
+            print(f"{run.relative_to(args.folder)}\n    " + " ".join(f"{phase[n]:10d}" for n in names))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ def test_swap_client_group_mid_training(tmp_path: Path) -> None:
         f"servers.policy.trainer.total_steps={TOTAL}",
         "servers.policy.trainer.tasks_per_batch=4",
         "servers.policy.trainer.repeats=4",
+        "servers.policy.engine=transformers",  # the clients are the subject: an engine that loads in seconds
     ]
     done = run_module("ajet_hpc.launch", str(REPO / "configs" / "quickstart.yaml"), *overrides)
     assert done.returncode == 0, done.stderr + done.stdout

@@ -52,6 +52,9 @@ def test_two_models_train_apart_on_shared_episodes(tmp_path: Path) -> None:
         f"servers.solver.trainer.total_steps={steps}",
         "servers.proposer.trainer.tasks_per_batch=4",
         "servers.solver.trainer.tasks_per_batch=4",
+        # two models' rewards and stores are the subject, not the engine: it loads in seconds
+        "servers.proposer.engine=transformers",
+        "servers.solver.engine=transformers",
     )
     try:
         assert set(jobs) == {"server-proposer", "server-solver", "clients-pairs"}
