@@ -1,9 +1,9 @@
 """Group commit in the server store (issue 17, item 3): ``EpisodeWriter.append_records`` writes several
-episodes and steps with one fsync and one commit, all or nothing. Real files and processes, no mocks of the
-file system: a file written in groups must read back exactly as one written a record at a time (the
-reference: one commit per record, as every append was before), a failing group leaves nothing of itself,
-and a writer killed with SIGKILL at random points keeps every group it acknowledged and no part of any
-other."""
+episodes and steps with one fsync and one commit, all or nothing. Real files, processes and disks, nothing
+patched: a file written in groups must read back exactly as one written a record at a time (the
+reference: one commit per record, as every append was before), a group that meets a real full disk (a
+tmpfs) leaves nothing of itself, and a writer killed with SIGKILL at random points keeps every group it
+acknowledged and no part of any other."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from typing import IO
 import h5py
 import numpy as np
 import pytest
-from test_episode_store import make_record, make_step
+from support import tmpfs
+from test_episode_store import append_on_a_full_disk, make_record, make_step
 
-from ajet_hpc.storage import episode_store_writer as episode_store
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter, UnstorableRecord
-from ajet_hpc.storage.h5_layout import OFFSETS, ROWS, StoreError
+from ajet_hpc.storage.h5_layout import OFFSETS, ROWS
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord, _cat
 
 
@@ -86,30 +86,29 @@ def test_groups_read_back_as_records_committed_one_at_a_time(
     assert grouped == expected
 
 
-def test_a_failing_group_commits_none_of_its_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The group's data is written (chunks sealed, a tail slot reused), then its commit fails: none of it is
-    in the store, the writer reopens at the last commit, and the next group lands after the earlier one."""
-    path = tmp_path / "s.h5"
-    writer = EpisodeWriter(path, chunk_tokens=16)
-    writer.append_records([make_record(0), make_record(1)])
-    real = episode_store.commit_check
-    calls: list[int] = []
-
-    def fail_once(counts):
-        calls.append(1)
-        return real(counts) if len(calls) > 1 else 1 / 0
-
-    monkeypatch.setattr(episode_store, "commit_check", fail_once)
+@pytest.mark.parametrize("room", ["none", "all but a page"])
+def test_a_group_that_meets_a_full_disk_commits_none_of_its_records(tmp_path: Path, room: str) -> None:
+    """A real full disk (a 4 MiB tmpfs filled by a ballast file) with no room at all, or a page short of
+    what the group needs: then its data is written, its chunks sealed and the ``sealed`` counter on disk
+    past the commit (tail slots reused) when the disk runs out. Either way none of the group is in the
+    store, the same writer reopens it at the last commit once space is back, and the next group lands
+    after the earlier one."""
     group = [make_record(i, answer=40) for i in range(2, 6)] + [make_step(0)]
-    with pytest.raises(StoreError, match=r"writing 5 records \(episode ep-2 to step 0\) failed, nothing"):
-        writer.append_records(group)
-    assert writer.stats.failed == 1 and writer.stats.commits == 1
-    writer.append_records([make_record(6), make_step(1)])
-    writer.close()
-    with EpisodeReader(path) as reader:
-        assert [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-1", "ep-6"]
-        assert [reader.episode(f"ep-{i}") for i in (0, 1, 6)] == [make_record(i) for i in (0, 1, 6)]
-        assert [s["step"] for s in reader.steps()] == [1]
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        outcome = append_on_a_full_disk(
+            disk, [make_record(0), make_record(1)], group, [make_record(6), make_step(1)], room
+        )
+        assert (
+            "writing 5 records (episode ep-2 to step 0) failed, nothing of it was committed" in outcome.error
+        )
+        assert "No space left on device" in outcome.error
+        assert (outcome.failed, outcome.commits) == (1, 1)
+        assert outcome.sealed_past_commit == (room == "all but a page")
+        assert outcome.after == "appended"
+        with EpisodeReader(disk / "s.h5") as reader:
+            assert [s["episode_id"] for s in reader.summaries()] == ["ep-0", "ep-1", "ep-6"]
+            assert [reader.episode(f"ep-{i}") for i in (0, 1, 6)] == [make_record(i) for i in (0, 1, 6)]
+            assert [s["step"] for s in reader.steps()] == [1]
 
 
 def test_an_unstorable_record_refuses_its_group_before_writing(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark of the server store: ``python tools/bench/store.py [--quick] [--episodes N] [--dir DIR]``.
+"""Benchmark of the server store: ``python tools/bench/store.py [--quick] [--repeats R] [--episodes N]``.
 
 Writes N synthetic multi-turn episodes (default 100k; ``--quick``: 20k) to the server store
 (``EpisodeWriter``) and, in a second process with the same episodes, to JSONL (one JSON object per
@@ -16,15 +16,28 @@ in the page cache) at 10k episodes (``--quick``: 10k) while the writer still app
 Group commit (the server's recorder, ``EpisodeRecorder``): groups of 64 such episodes submitted together
 (as when many agents end at once), each group waited for with ``flush``; episodes per second from the first
 submit to the last flush (``write_eps_group``), and the fsyncs of the store per episode, counted by the
-writer itself (``fsyncs_per_episode``). The same episodes submitted one at a time, each waited for (every
-episode its own commit, as before group commit), in the same run for the ratio.
+writer itself (``fsyncs_per_episode``), and this process's CPU time per episode in the same spans, every
+thread (``cpu_ms_group``: what the work costs, much less moved by other jobs than the rate). The same
+episodes submitted one at a time, each waited for (every episode its own commit, as before group commit),
+in the same run for the ratio.
 
 The client store's group commits (``ClientStore``, one per array task): a busy task, 4 episodes in flight
 committing 10 results a second between them for 10 s (``--smoke``: 3 s), its journal's fsyncs counted at
 ``os.fsync`` (``fsyncs_per_episode_client``; one per result before group commits). Ends with one line::
 
     RESULT size_ratio=<jsonl/hdf5> write_eps=<episodes/s> read_ms_10k=<ms> read_ms_100k=<ms>
-           write_eps_group=<episodes/s> fsyncs_per_episode=<n> fsyncs_per_episode_client=<n>
+           write_eps_group=<episodes/s> write_eps_group_min=<episodes/s> write_eps_group_max=<episodes/s>
+           cpu_ms_group=<ms> fsyncs_per_episode=<n> fsyncs_per_episode_client=<n> repeats=<n>
+
+Repeats: the short measurements (appends of small episodes, group commit and one at a time, the client
+store) run ``--repeats`` times (default 5; ``--smoke``: 2), each on fresh files, and the reads by id at the
+end as many times (a fresh reader and 200 new random ids each); each figure is printed as the median of its
+repeats with their minimum and maximum, and the ``RESULT`` keys are medians (``write_eps_group_min`` and
+``_max`` give the spread of the group rate, ``repeats`` their number). The long run (N episodes: the sizes,
+``write_eps``, the read at 10k while the writer appends) runs once: ``write_eps`` is one rate over N
+appends. A single run's figures move by ±30 % and more on a shared machine; compare code side by side, in
+alternating runs, by the ratio. The output starts with the date, the git commit of this checkout (and any
+files changed from it) and the load average, and ends with the load average again.
 
 Everything is written under a temporary folder (or ``--dir``) and removed at the end.
 """
@@ -38,11 +51,13 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -275,39 +290,52 @@ def small_appends(folder: Path, n: int = 2000) -> tuple[float, float, float]:
 @dataclass
 class Groups:
     eps: float  # episodes per second through the recorder, groups of GROUP submitted together
+    cpu_ms: float  # CPU time of this process (every thread) per episode while the groups were timed
     fsyncs_per_episode: float
     commits: int
     single_eps: float  # the same episodes one at a time, each waited for (one commit each)
     single_fsyncs_per_episode: float
 
 
-def recorder_rate(path: Path, corpus: Corpus, first: int, groups: int, size: int) -> tuple[float, int, int]:
-    """(seconds, fsyncs, commits) for ``groups`` groups of ``size`` episodes through a fresh recorder;
-    the episodes are generated before each group's clock starts."""
+@dataclass
+class Rate:
+    seconds: float  # wall time from each group's first submit to its flush, summed
+    cpu_s: float  # CPU time of this process (every thread) in the same spans: less moved by other jobs
+    fsyncs: int
+    commits: int
+
+
+def recorder_rate(path: Path, corpus: Corpus, first: int, groups: int, size: int) -> Rate:
+    """``groups`` groups of ``size`` episodes through a fresh recorder; the episodes are generated before
+    each group's clock starts."""
     recorder = EpisodeRecorder(path)
-    elapsed = 0.0
+    elapsed = cpu = 0.0
     try:
         for g in range(groups):
             records = [episode(corpus, first + g * size + k) for k in range(size)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for record in records:
                 recorder.submit_record(record)
             if not recorder.flush(600):
                 raise SystemExit("the recorder did not commit a group within 10 minutes")
             elapsed += time.perf_counter() - t0
+            cpu += time.process_time() - c0
         stats = recorder.writer.stats
         assert stats.episodes == groups * size and recorder.unwritten_ids() == frozenset()
-        return elapsed, stats.fsyncs, stats.commits
+        return Rate(elapsed, cpu, stats.fsyncs, stats.commits)
     finally:
         recorder.close()
 
 
 def group_commits(folder: Path, groups: int) -> Groups:
     corpus = Corpus()
-    seconds, fsyncs, commits = recorder_rate(folder / "groups.h5", corpus, 0, groups, GROUP)
+    grouped = recorder_rate(folder / "groups.h5", corpus, 0, groups, GROUP)
     n = groups * GROUP
-    single_s, single_fsyncs, _ = recorder_rate(folder / "single.h5", corpus, 0, n, 1)
-    return Groups(n / seconds, fsyncs / n, commits, n / single_s, single_fsyncs / n)
+    single = recorder_rate(folder / "single.h5", corpus, 0, n, 1)
+    return Groups(
+        n / grouped.seconds, grouped.cpu_s / n * 1e3, grouped.fsyncs / n, grouped.commits,
+        n / single.seconds, single.fsyncs / n,
+    )  # fmt: skip
 
 
 def client_commits(folder: Path, seconds: float, rate: float = 10.0, in_flight: int = 4) -> tuple[int, int]:
@@ -370,29 +398,96 @@ def write_store(h5: Path, n: int, checkpoint: int, rng: np.random.Generator) -> 
             "wall": time.perf_counter() - start}  # fmt: skip
 
 
+def provenance() -> str:
+    """When and from what this ran: the date, the git commit of this checkout (with the tracked files that
+    differ from it), the CPUs and the load average."""
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    git = ["git", "-C", str(REPO)]
+    try:
+        commit = subprocess.run([*git, "log", "-1", "--format=%h (%cs)"], capture_output=True, text=True,
+                                timeout=30, check=True).stdout.strip()  # fmt: skip
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        commit, status = f"unknown ({exc})", []
+    changed = f", uncommitted changes in {', '.join(line[3:] for line in status)}" if status else ""
+    return f"{date}; commit {commit}{changed}; {load()}"
+
+
+def load() -> str:
+    cpus = len(os.sched_getaffinity(0))
+    return f"{cpus} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+
+
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    """The median of ``values`` with their range: ``median (min-max of n)``."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:{fmt}} (1 run)"
+    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}} of {len(values)})"
+
+
+@dataclass
+class Short:
+    """One repeat of the short measurements."""
+
+    small: tuple[float, float, float]  # small_appends
+    groups: Groups
+    client: tuple[int, int]  # client_commits
+
+
+def short_runs(folder: Path, repeats: int, groups: int, smoke: bool) -> list[Short]:
+    """The short measurements, ``repeats`` times, each on fresh files (removed after)."""
+    runs = []
+    for r in range(repeats):
+        sub = folder / f"repeat-{r}"
+        sub.mkdir()
+        run = Short(
+            small_appends(sub, 20) if smoke else small_appends(sub),
+            group_commits(sub, groups),
+            client_commits(sub, 3.0 if smoke else 10.0),
+        )
+        shutil.rmtree(sub, ignore_errors=True)
+        g = run.groups
+        print(
+            f"  repeat {r + 1}/{repeats}: groups {g.eps:.0f} episodes/s (CPU {g.cpu_ms:.3f} ms per episode), "
+            f"one at a time {g.single_eps:.0f}/s; small appends median {run.small[0]:.2f} ms; client "
+            f"{run.client[1]} fsyncs for {run.client[0]} results ({load()})",
+            flush=True,
+        )
+        runs.append(run)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="20k episodes, reads measured at 10k and 20k")
     parser.add_argument(
-        "--smoke", action="store_true", help="200 episodes, 20 small appends, 1 group (tests)"
+        "--smoke", action="store_true", help="200 episodes, 20 small appends, 1 group, 2 repeats (tests)"
     )
     parser.add_argument("--episodes", type=int, default=None, help="episodes to write (default 100k)")
     parser.add_argument(
         "--groups", type=int, default=None, help=f"groups of {GROUP} for group commit (default 32; quick 8)"
     )
     parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats of the short measurements and reads (default 5)"
+    )
+    parser.add_argument(
         "--dir", type=Path, default=None, help="where to write (a temporary folder by default)"
     )
     args = parser.parse_args(argv)
     n = args.episodes or (200 if args.smoke else 20_000 if args.quick else 100_000)
+    repeats = args.repeats or (2 if args.smoke else 5)
+    if repeats < 1:
+        parser.error("--repeats must be at least 1")
     checkpoint = min(10_000, n)
+    print(f"store benchmark, {provenance()}", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="ajet-bench-store-", dir=args.dir))
     h5, jsonl = folder / "policy.h5", folder / "policy.jsonl"
     rng = np.random.default_rng(99)
     try:
-        small = small_appends(folder, 20) if args.smoke else small_appends(folder)
-        groups = group_commits(folder, args.groups or (1 if args.smoke else 8 if args.quick else 32))
-        client = client_commits(folder, 3.0 if args.smoke else 10.0)
+        groups = args.groups or (1 if args.smoke else 8 if args.quick else 32)
+        short = short_runs(folder, repeats, groups, args.smoke)
         child = multiprocessing.get_context("spawn").Process(target=write_jsonl, args=(jsonl, n))
         child.start()
         run = write_store(h5, n, checkpoint, rng)
@@ -403,20 +498,19 @@ def main(argv: list[str] | None = None) -> int:
         child.join()
         if child.exitcode != 0:
             raise SystemExit(f"the JSONL writer failed (exit code {child.exitcode})")
-        run["reads"][n] = read_latency(h5, run["ids"], rng)
+        final_reads = [read_latency(h5, run["ids"], rng) for _ in range(repeats)]
         h5_size, jsonl_size = h5.stat().st_size, jsonl.stat().st_size
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    report(n, run, small, groups, client, summaries_s, h5_size, jsonl_size, checkpoint)
+    report(n, run, final_reads, short, summaries_s, h5_size, jsonl_size, checkpoint)
     return 0
 
 
 def report(
     n: int,
     run: dict,
-    small: tuple,
-    groups: Groups,
-    client: tuple[int, int],
+    final_reads: list[Reads],
+    short: list[Short],
     summaries_s: float,
     h5_size: int,
     jsonl_size: int,
@@ -429,34 +523,55 @@ def report(
     print(f"JSONL {jsonl_size / 1e6:9.1f} MB  ({jsonl_size / tokens:.2f} bytes/token)")
     print(f"size ratio JSONL/HDF5 {jsonl_size / h5_size:.2f}")
     print(
-        f"append ({tokens / n:.0f} tokens): {write_eps:.0f} episodes/s inside append_episode; per episode "
-        f"median {per[len(per) // 2] * 1e3:.2f} ms, p99 {per[int(len(per) * 0.99)] * 1e3:.2f} ms, "
-        f"max {per[-1] * 1e3:.0f} ms, CPU {run['cpu'] / n * 1e3:.2f} ms; "
-        f"with generation {n / run['wall']:.0f}/s"
+        f"append ({tokens / n:.0f} tokens), one run of {n}: {write_eps:.0f} episodes/s inside "
+        f"append_episode; per episode median {per[len(per) // 2] * 1e3:.2f} ms, p99 "
+        f"{per[int(len(per) * 0.99)] * 1e3:.2f} ms, max {per[-1] * 1e3:.0f} ms, "
+        f"CPU {run['cpu'] / n * 1e3:.2f} ms; with generation {n / run['wall']:.0f}/s"
+    )
+    print("median of the repeats (min-max of their number):")
+    small = [s.small for s in short]
+    print(
+        f"append (5 x ~300 tokens): median {spread([x[0] for x in small], '.2f')} ms, p99 "
+        f"{spread([x[1] for x in small], '.2f')} ms, CPU median {spread([x[2] for x in small], '.2f')} ms"
+    )
+    early = run["reads"][checkpoint]
+    print(
+        f"read by id at {checkpoint} episodes, writer appending (one run): median {early.median_ms:.2f} ms "
+        f"(CPU {early.cpu_ms:.2f} ms), p90 {early.p90_ms:.2f} ms; fresh reader opened in "
+        f"{early.opened_ms:.1f} ms"
     )
     print(
-        f"append (5 x ~300 tokens): median {small[0]:.2f} ms, p99 {small[1]:.2f} ms, "
-        f"CPU median {small[2]:.2f} ms"
+        f"read by id at {n} episodes: median {spread([r.median_ms for r in final_reads], '.2f')} ms "
+        f"(CPU {spread([r.cpu_ms for r in final_reads], '.2f')} ms), p90 "
+        f"{spread([r.p90_ms for r in final_reads], '.2f')} ms; fresh reader opened in "
+        f"{spread([r.opened_ms for r in final_reads], '.1f')} ms"
     )
-    for count, r in run["reads"].items():
-        print(
-            f"read by id at {count} episodes: median {r.median_ms:.2f} ms (CPU {r.cpu_ms:.2f} ms), "
-            f"p90 {r.p90_ms:.2f} ms; fresh reader opened in {r.opened_ms:.1f} ms"
-        )
-    print(f"summaries() of {n} episodes with a fresh reader: {summaries_s:.2f} s")
+    print(f"summaries() of {n} episodes with a fresh reader (one run): {summaries_s:.2f} s")
+    groups = [s.groups for s in short]
+    group_eps = [g.eps for g in groups]
     print(
-        f"recorder, groups of {GROUP} arriving together: {groups.eps:.0f} episodes/s, "
-        f"{groups.fsyncs_per_episode:.3f} fsyncs per episode ({groups.commits} commits); one at a time: "
-        f"{groups.single_eps:.0f} episodes/s, {groups.single_fsyncs_per_episode:.3f} fsyncs per episode; "
-        f"ratio {groups.eps / groups.single_eps:.2f}"
+        f"recorder, groups of {GROUP} arriving together: {spread(group_eps)} episodes/s, CPU "
+        f"{spread([g.cpu_ms for g in groups], '.3f')} ms per episode, "
+        f"{spread([g.fsyncs_per_episode for g in groups], '.3f')} fsyncs per episode ({groups[0].commits} "
+        f"commits); one at a time: {spread([g.single_eps for g in groups])} episodes/s, "
+        f"{spread([g.single_fsyncs_per_episode for g in groups], '.3f')} fsyncs per episode; ratio "
+        f"{spread([g.eps / g.single_eps for g in groups], '.2f')}"
     )
-    results, fsyncs = client
-    print(f"client store, 10 results/s from 4 threads: {results} results, {fsyncs} journal fsyncs")
+    per_result = [fsyncs / results for results, fsyncs in (s.client for s in short)]
+    print(
+        f"client store, 10 results/s from 4 threads: {spread([float(s.client[0]) for s in short])} results, "
+        f"{spread([float(s.client[1]) for s in short])} journal fsyncs"
+    )
+    print(f"ended {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC; {load()}")
     print(
         f"RESULT size_ratio={jsonl_size / h5_size:.2f} write_eps={write_eps:.0f} "
-        f"read_ms_10k={run['reads'][checkpoint].median_ms:.2f} read_ms_100k={run['reads'][n].median_ms:.2f} "
-        f"write_eps_group={groups.eps:.0f} fsyncs_per_episode={groups.fsyncs_per_episode:.3f} "
-        f"fsyncs_per_episode_client={fsyncs / results:.3f}"
+        f"read_ms_10k={early.median_ms:.2f} "
+        f"read_ms_100k={statistics.median(r.median_ms for r in final_reads):.2f} "
+        f"write_eps_group={statistics.median(group_eps):.0f} write_eps_group_min={min(group_eps):.0f} "
+        f"write_eps_group_max={max(group_eps):.0f} "
+        f"cpu_ms_group={statistics.median(g.cpu_ms for g in groups):.3f} "
+        f"fsyncs_per_episode={statistics.median(g.fsyncs_per_episode for g in groups):.3f} "
+        f"fsyncs_per_episode_client={statistics.median(per_result):.3f} repeats={len(short)}"
     )
 
 
