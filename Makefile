@@ -8,8 +8,6 @@ PY     := $(VENV)/bin/python
 LOCK   ?= $(if $(shell nvidia-smi -L 2>/dev/null),envs/server-gpu.txt,envs/server-cpu.txt)
 STAMP  := $(VENV)/.installed-$(notdir $(LOCK))
 PYTEST_ARGS ?= --durations=15
-# two workers (pytest-xdist): the Slurm tests on one, the rest wherever a worker is free (tests/README.md)
-PYTEST_WORKERS ?= -n 2 --dist loadgroup
 
 .PHONY: install check test run cluster-up cluster-down cluster-status lock clean
 
@@ -38,7 +36,7 @@ test: install
 	@if ! sinfo -h >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then tools/slurm-dev-cluster up; \
 	  else echo "no Slurm answers and not root: the Slurm tests will be skipped"; fi; fi
-	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 run: install
 	$(PY) -m ajet_hpc.launch configs/quickstart.yaml

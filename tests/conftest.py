@@ -85,28 +85,3 @@ def _diagnosis(tmp_path: Path, lines: int = 12, files: int = 8) -> str:
 
 
 _EVENT = re.compile(r"signal|sigterm|usr2|requeue|resum|checkpoint|preempt|traceback|error|warn|exit", re.I)
-
-
-# Modules outside a shared scenario whose processes a test of another module counts by name: they run on
-# that module's worker, one after the other (test_environments.py checks that no sandboxed process and no
-# calculator MCP server is left once its run is over).
-_SAME_WORKER = {
-    "unit/test_sandbox.py": "component/test_environments.py",
-    "unit/test_mcp_toolbox.py": "component/test_environments.py",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) each test gets its worker group: the
-    Slurm tests one group (they share the dev cluster's nodes and run one after the other on one worker),
-    every other module a group of its own (its module- and session-scoped runs start once, on one worker);
-    unit tests go to whichever worker is free."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        module = Path(item.path).relative_to(REPO / "tests").as_posix()
-        module = _SAME_WORKER.get(module, module)
-        if module.startswith("cluster/"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif not module.startswith("unit/"):
-            item.add_marker(pytest.mark.xdist_group(module))
