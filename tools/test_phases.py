@@ -1,6 +1,6 @@
 """Where the test suite's end-to-end time goes, by phase, read from the server logs its runs left behind.
 
-    .venv/bin/python tools/test_phases.py /tmp/pytest-of-root/pytest-N      # a pytest --basetemp
+    .venv/bin/python tools/test_phases.py BASETEMP      # a pytest base folder (pytest-of-$USER/pytest-N)
 
 Every ``logs/server-*/*_log.out`` under the folder is a server job's log (local or Slurm; a requeued
 job appends its next start to the same file). Each start of a server is cut into phases by the log
