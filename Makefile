@@ -8,6 +8,9 @@ PY     := $(VENV)/bin/python
 LOCK   ?= $(if $(shell nvidia-smi -L 2>/dev/null),envs/server-gpu.txt,envs/server-cpu.txt)
 STAMP  := $(VENV)/.installed-$(notdir $(LOCK))
 PYTEST_ARGS ?= --durations=15
+# Two pytest-xdist workers: the end-to-end tests leave a third of two cores idle (tests/README.md); the
+# Slurm tests run on one worker, one after another (tests/conftest.py: xdist_scope). PYTEST_WORKERS= for one.
+PYTEST_WORKERS ?= -n 2
 
 .PHONY: install check test run cluster-up cluster-down cluster-status lock clean
 
@@ -36,7 +39,7 @@ test: install
 	@if ! sinfo -h >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then tools/slurm-dev-cluster up; \
 	  else echo "no Slurm answers and not root: the Slurm tests will be skipped"; fi; fi
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 run: install
 	$(PY) -m ajet_hpc.launch configs/quickstart.yaml

@@ -28,6 +28,55 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+# Under pytest-xdist (`make test` runs two workers), tests that must not run beside each other share a
+# scope, and a scope runs on one worker, one test after another:
+# - every Slurm test: they share the dev cluster's nodes and its one partition of `g1`;
+# - the sandbox's and the MCP toolbox's unit tests run where test_environments.py runs, which counts
+#   the processes of both (the calculator's MCP server, the sandbox's workers).
+# Every other module is a scope of its own (its module fixtures start once), and a unit test is one.
+SHARED_SCOPES = {
+    "tests/unit/test_sandbox.py": "tests/component/test_environments.py",
+    "tests/unit/test_mcp_toolbox.py": "tests/component/test_environments.py",
+}
+# Scopes go out in this order, the longest work first: the Slurm tests (a third of the suite's time on
+# one worker), then the end-to-end modules, then the short ones that fill both workers at the end.
+TIER_ORDER = ("slurm", "tests/component/", "tests/security/", "tests/unit/")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The scope of one test under pytest-xdist: the tests of a scope run on one worker, in order."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/cluster/"):
+        return "slurm"
+    if path in SHARED_SCOPES:
+        return SHARED_SCOPES[path]
+    return nodeid if path.startswith("tests/unit/") else path
+
+
+def _tier(scope: str) -> int:
+    return next((i for i, prefix in enumerate(TIER_ORDER) if scope.startswith(prefix)), len(TIER_ORDER))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's scope scheduling with our scopes (``xdist_scope``) and order (``TIER_ORDER``).
+    xdist's own ``--dist loadgroup`` cannot be used: xdist 3.8 marks a group by rewriting
+    ``item._nodeid``, which pytest 9.2 no longer reads, so the groups are lost (tests/README.md)."""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class ScopeScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            # the earliest tier first; within a tier, collection order (not xdist's "most tests first")
+            position = {nodeid: i for i, nodeid in enumerate(self.collection)}
+            first = min(self.workqueue, key=lambda s: (_tier(s), position[next(iter(self.workqueue[s]))]))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return ScopeScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

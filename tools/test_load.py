@@ -23,6 +23,8 @@ _out = None
 
 def _write(kind: str, nodeid: str) -> None:
     global _out
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist the controller writes every test's lines, as the workers report them
     if _out is None:
         _out = open(os.environ.get("TEST_TIMING_OUT", "test-timing.tsv"), "a", buffering=1)  # noqa: SIM115
     _out.write(f"{time.time():.2f}\t{kind}\t{nodeid}\n")
