@@ -63,7 +63,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     ``item._nodeid``, which pytest 9.2 no longer reads, so the groups are lost (tests/README.md)."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-    class ScopeScheduling(LoadScopeScheduling):  # type: ignore[misc]
+    class ScopeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
 
