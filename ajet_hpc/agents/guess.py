@@ -18,8 +18,8 @@ def _read_guess(message) -> int | None:
             return int(json.loads(call.function.arguments)["n"])
         except (ValueError, KeyError, TypeError):
             return None
-    text = (message.content or "").strip()
-    return int(text[0]) if text[:1].isdigit() else None
+    first = (message.content or "").strip()[:1]
+    return int(first) if first.isascii() and first.isdigit() else None  # not "²" or "₀": int() refuses them
 
 
 def solve(ctx: EpisodeContext) -> Outcome:

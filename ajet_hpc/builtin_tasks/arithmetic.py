@@ -25,6 +25,6 @@ def tasks(seed: int = 0) -> Iterator[Task]:
 def reward(answer: str, expected: str) -> float:
     """0.5 if the answer starts with a digit, 1.0 if that digit is the expected one."""
     answer = answer.strip()
-    if not answer or not answer[0].isdigit():
+    if not answer or not (answer[0].isascii() and answer[0].isdigit()):
         return 0.0
     return 1.0 if answer[0] == expected else 0.5

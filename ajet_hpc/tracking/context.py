@@ -270,7 +270,7 @@ class ContextTracker:
             expected = start + common_prefix_length(layout.text[start:end], header)
             span = None
             for variant, (ids, text) in enumerate(answer.variants):
-                found = _locate(layout.text, text, expected, start, end)
+                found = _locate(layout.text, text, expected, end)
                 if found is not None:
                     span = _Span(found, found + len(text), ids, index)
                     if variant and self.keep_history:  # sampled another stop token than the template writes
@@ -413,12 +413,12 @@ def _direct_backend(tokenizer: PreTrainedTokenizerBase) -> Any:
     return backend if _backend_ok[key] else None
 
 
-def _locate(text: str, answer: str, expected: int, start: int, end: int) -> int | None:
-    """Where ``answer`` lies in ``text[start:end]``: at ``expected`` if it is there, else its first occurrence
-    after ``expected``, else its first occurrence in the message."""
+def _locate(text: str, answer: str, expected: int, end: int) -> int | None:
+    """Where ``answer`` lies in ``text[expected:end]``: at ``expected`` if it is there, else its first
+    occurrence after it. Never before ``expected``: the model sampled the answer after the assistant's
+    header, and an answer made of special tokens (``<|im_start|><|im_end|>``, whose text without the stop
+    token is the header's own first marker) would otherwise be "found" in the header."""
     if text.startswith(answer, expected) and expected + len(answer) <= end:
         return expected
     found = text.find(answer, expected, end)
-    if found < 0:
-        found = text.find(answer, start, end)
     return found if found >= 0 else None

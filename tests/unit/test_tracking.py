@@ -4,12 +4,19 @@ The tests marked ``ON_BOTH`` also run on tiny-qwen's tokenizer (Qwen2.5's byte-l
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from ajet_hpc.builtin_tasks.guess import TOOLS as GUESS_TOOLS
 from ajet_hpc.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from ajet_hpc.server.http_schemas import ChatMessage
+from ajet_hpc.server.toolcalls import parse_hermes
 from ajet_hpc.tracking import MODEL, SYSTEM, TOOL, USER, ContextTracker, DriftEvent, PromptPlan, Timeline
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -383,3 +390,74 @@ def test_the_plan_owns_a_deep_copy_of_the_request_whatever_it_holds(tokenizer) -
     messages[0]["content"] = "changed by the caller afterwards"
     assert plan.messages[0]["content"] == "Weather?"
     assert plan.tools == TOOLS and plan.tools is not TOOLS and plan.tools[0] is not TOOLS[0]
+
+
+def test_an_answer_of_special_tokens_is_not_found_in_the_assistant_header(tokenizer) -> None:
+    """The model sampled ``<|im_start|><|im_end|>`` (its reply's text is empty). Without its stop token the
+    answer's text is the header's own first marker; it was once "found" there, the answer's ids were not
+    spliced and nothing was reported, so the call was no prefix of the next and its episode trained as two
+    samples (test_quickstart.py's guessing game: 17 samples for 16 episodes, once)."""
+    special = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>")]
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]
+    then = [*messages, {"role": "user", "content": "b"}]
+
+    plain = ContextTracker(tokenizer)
+    serve(plain, messages[:1], messages[1], special)
+    plan = plain.build_prompt(then)
+    assert [(event.message_index, event.kind) for event in plan.drift] == [(1, "template_dropped_content")]
+    assert plan.reused_spans == [] and plan.prompt_ids == encode(tokenizer, plan.text)
+
+    keeping = ContextTracker(tokenizer, keep_history=True)
+    _, first = serve(keeping, messages[:1], messages[1], special)
+    kept = keeping.build_prompt(then)
+    assert [(event.message_index, event.kind) for event in kept.drift] == [(1, "history_kept")]
+    assert kept.prompt_ids[: len(first.token_ids)] == first.token_ids
+
+
+@functools.cache
+def _sampled(tokenizer) -> st.SearchStrategy[list[int]]:
+    """What a model may sample: any token (special ones, tool-call tags and a well-formed call often), up to
+    24 of them (the guessing game's max_tokens), ending on a stop token or cut at the length."""
+    stops = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    pieces = ["<tool_call>", '{"name": "guess", "arguments": {"n": 3}}', "</tool_call>", "5", " ", "\n"]
+    others = sorted(set(tokenizer.get_vocab().values()) - set(stops))
+    token = st.one_of(
+        st.sampled_from(others).map(lambda t: [t]),
+        st.sampled_from([*tokenizer.all_special_ids, *(encode(tokenizer, piece) for piece in pieces)]).map(
+            lambda t: t if isinstance(t, list) else [t]
+        ),
+    )
+    body = st.lists(token, max_size=12).map(lambda parts: [t for p in parts for t in p if t not in stops])
+    return st.tuples(body, st.sampled_from([None, *stops])).map(
+        lambda drawn: drawn[0][:24] if drawn[1] is None else [*drawn[0][:23], drawn[1]]
+    )
+
+
+@ON_BOTH
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_with_keep_history_every_call_extends_the_last_whatever_was_sampled(tokenizer, data) -> None:
+    """keep_history's promise, over whatever a model samples in a guessing-game episode (the answers parsed
+    and sent back as the server and the agent do): each call's prompt and answer are a token prefix of the
+    next call's prompt, so linear merging makes one sample of the episode."""
+    tracker = ContextTracker(tokenizer, keep_history=True)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Guess my digit (0-9)."}]
+    timelines = []
+    for _ in range(4):
+        answer = data.draw(_sampled(tokenizer))
+        parsed = parse_hermes(tokenizer.decode(answer, skip_special_tokens=True))
+        reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            reply["tool_calls"] = [tool_call.model_dump() for tool_call in parsed.tool_calls]
+        sent = [ChatMessage.model_validate(message).for_template() for message in messages]
+        finish = "stop" if answer and answer[-1] in tokenizer.all_special_ids else "length"
+        timelines.append(serve(tracker, sent, reply, answer, GUESS_TOOLS, finish)[1])
+        messages.append({key: value for key, value in reply.items() if value is not None})
+        if parsed.tool_calls:
+            messages.append({"role": "tool", "content": "higher", "tool_call_id": parsed.tool_calls[0].id})
+        else:
+            messages.append({"role": "user", "content": "Answer with one digit."})
+    for earlier, later in itertools.pairwise(timelines):
+        assert later.prompt_ids[: len(earlier.token_ids)] == earlier.token_ids, tokenizer.decode(
+            earlier.response_ids
+        )
