@@ -91,11 +91,20 @@ def _training_example(tokenizer, messages: list[dict], tools: list[dict]):
 
 
 def build_scripted_model(base: Path, dest: Path, examples=EXAMPLES, max_steps: int = 600) -> Path:
+    """``dest``, built unless it holds a model; under a lock, so pytest-xdist workers sharing the folder
+    build it once (the others wait, then find it)."""
+    from filelock import FileLock
+
+    with FileLock(dest.with_name(dest.name + ".lock")):
+        if (dest / "config.json").is_file():
+            return dest
+        return _build_scripted_model(base, dest, examples, max_steps)
+
+
+def _build_scripted_model(base: Path, dest: Path, examples, max_steps: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if (dest / "config.json").is_file():
-        return dest
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     batches = []

@@ -161,6 +161,7 @@ def test_mixed_tasks_hold_the_ratio_in_every_batch(tmp_path: Path) -> None:
         "servers.policy.trainer.repeats=2",
         "servers.policy.trainer.skip_equal_groups=false",
         "servers.policy.trainer.save_every=100",
+        "servers.policy.engine=transformers",  # the batches' mix is the subject, not the engine
     )
     try:
         wait_for_the_end(jobs, 900)

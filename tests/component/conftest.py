@@ -7,6 +7,7 @@ engines (``hf_harness``, ``vllm_harness``; ``qwen_hf_harness``, ``qwen_vllm_harn
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,14 @@ from ajet_hpc.engine.model_path import resolve_model
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's models are built. The pytest-xdist workers share one folder (the parent of their
+    base folders), so each model is built once: teaching tiny-qwen its script takes a minute of CPU, which
+    every worker paid again before (tests/README.md, "Two workers"). The builds are safe to race:
+    ``resolve_model`` renames a finished folder into place, ``build_scripted_model`` builds under a lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "models"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("models")
 
 

@@ -67,6 +67,7 @@ def rg_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for group in topology["clients"]:
         group["ratio"] = 0.25
     topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 8}  # 2 tasks a group a step
+    topology["servers"][0]["engine"] = "transformers"  # the environments are the subject, not the engine
     topology["run"]["dir"] = str(run)
     done = run_module("ajet_hpc.launch", str(write_topology(folder, topology)), timeout_s=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -198,6 +199,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedR
             f.write(json.dumps({"id": task_id, **data}) + "\n")
     topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
     topology["servers"][0]["trainer"]["total_steps"] = 3
+    topology["servers"][0]["engine"] = "transformers"  # the sandbox is the subject, not the engine
     topology["clients"].append(
         {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
         | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)}

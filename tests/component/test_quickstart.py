@@ -121,6 +121,7 @@ def test_multi_turn_task_trains_with_merging(tmp_path: Path) -> None:
         *OFF_POLICY,
         "servers.policy.trainer.off_policy.mode=mis",
         "servers.policy.trainer.off_policy.level=sequence",
+        "servers.policy.engine=transformers",  # merging and the trackers are the subject, not the engine
     )
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert_off_policy_metrics(rows, "is_masked_frac")
