@@ -82,10 +82,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
 
+        def __init__(self, config: pytest.Config, log: object) -> None:
+            super().__init__(config, log)
+            self.position: dict[str, int] = {}  # nodeid -> place in the collection (known once it is)
+
         def _assign_work_unit(self, node: object) -> None:
             # the earliest tier first; within a tier, collection order (not xdist's "most tests first")
-            position = {nodeid: i for i, nodeid in enumerate(self.collection)}
-            first = min(self.workqueue, key=lambda s: (_tier(s), position[next(iter(self.workqueue[s]))]))
+            if not self.position:
+                self.position = {nodeid: i for i, nodeid in enumerate(self.collection)}
+            where = self.position
+            first = min(self.workqueue, key=lambda s: (_tier(s), where[next(iter(self.workqueue[s]))]))
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
