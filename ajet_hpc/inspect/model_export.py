@@ -69,8 +69,12 @@ def export(
 ):
     """Write the folder (see the module doc); returns (server name, step)."""
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
+
+    from ajet_hpc.trainer.distributed import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     run = RunDir(Path(run_dir))
     server = trained_server(run, model)

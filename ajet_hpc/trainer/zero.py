@@ -28,6 +28,7 @@ from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
 from ajet_hpc.trainer import lora, rank_files
+from ajet_hpc.trainer.distributed import import_deepspeed
 from ajet_hpc.trainer.rank_files import TrainerState, WorkDir
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Models:
 
 
 def build(model_dir: Path, config: TrainerConfig, on_gpu: bool, local_rank: int) -> Models:
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     started = time.monotonic()

@@ -38,3 +38,34 @@ def test_a_cpu_rank_starts_gloo_without_building_the_shm_kernel() -> None:
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
     assert "deepspeed_shm_comm_op built" not in done.stdout + done.stderr
+
+
+MLFLOW_CHILD = textwrap.dedent(
+    """
+    import sys
+    from ajet_hpc.trainer.distributed import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    from deepspeed.autotuning import autotuner
+
+    assert "mlflow" not in sys.modules and not autotuner.has_mlflow  # DeepSpeed came up without MLflow
+    assert import_deepspeed() is deepspeed
+    import mlflow  # our tracker's import is untouched
+
+    print("ok", mlflow.__name__)
+    """
+)
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
+    """The rank's DeepSpeed import skips the MLflow import of DeepSpeed's autotuner (0.9 CPU-s a rank
+    start); MLflow (the ``mlflow`` extra, installed here) still imports for our tracker afterwards."""
+    done = subprocess.run(
+        [sys.executable, "-c", MLFLOW_CHILD],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok mlflow"), done.stdout + done.stderr
