@@ -105,7 +105,7 @@ SMOKE = [
     ),
     pytest.param(
         "algorithms.py",
-        ["--algorithms", "gspo", "--seeds", "0", "--steps", "2"],
+        ["--algorithms", "gspo", "--seeds", "0", "--steps", "2", "--engine", "transformers"],
         ["steps_to_target_gspo", "final_reward_gspo", "learned_gspo", "eval_pass1_gspo"],
         {"steps_to_target_gspo": "inf"},  # the target is rarely reached in 2 steps
         id="algorithms",

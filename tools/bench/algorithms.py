@@ -16,7 +16,8 @@ Ends with ``RESULT steps_to_target_<algorithm>=<median> final_reward_<algorithm>
 learned_<algorithm>=<seeds> eval_pass1_<algorithm>=<median> ...`` for every algorithm run.
 
     .venv/bin/python tools/bench/algorithms.py                  # 6 algorithms x 3 seeds x 20 steps, ~1 h here
-    .venv/bin/python tools/bench/algorithms.py --algorithms gspo --seeds 0 --steps 2   # the smoke test's
+    .venv/bin/python tools/bench/algorithms.py --algorithms gspo --seeds 0 --steps 2 --engine transformers
+                                                                # the smoke test's
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ SETTINGS: dict[str, list[str]] = {
 }
 
 
-def overrides(folder: Path, algorithm: str, seed: int, steps: int) -> list[str]:
+def overrides(folder: Path, algorithm: str, seed: int, steps: int, engine: str) -> list[str]:
     """The quickstart's overrides for one run."""
     trainer = "servers.policy.trainer"
     return [
         f"run.dir={folder}",
+        f"servers.policy.engine={engine}",
         f"{trainer}.algorithm={algorithm}",
         *(f"{trainer}.{setting}" for setting in SETTINGS.get(algorithm, [])),
         f"{trainer}.seed={seed}",
@@ -65,12 +67,18 @@ def overrides(folder: Path, algorithm: str, seed: int, steps: int) -> list[str]:
     ]
 
 
-def run_once(folder: Path, algorithm: str, seed: int, steps: int) -> tuple[list[float], float]:
+def run_once(folder: Path, algorithm: str, seed: int, steps: int, engine: str) -> tuple[list[float], float]:
     """One quickstart run; the reward mean of each step, and pass@1 of the last step's eval round
     (``SystemExit`` naming the run when that round has none)."""
     quickstart = str(REPO / "configs" / "quickstart.yaml")
     done = subprocess.run(
-        [sys.executable, "-m", "ajet_hpc.launch", quickstart, *overrides(folder, algorithm, seed, steps)],
+        [
+            sys.executable,
+            "-m",
+            "ajet_hpc.launch",
+            quickstart,
+            *overrides(folder, algorithm, seed, steps, engine),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -111,6 +119,9 @@ def main() -> int:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated trainer seeds")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--target", type=float, default=0.45)
+    parser.add_argument(
+        "--engine", choices=["vllm", "transformers"], default="vllm", help="the figures are vLLM's (default)"
+    )
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
     unknown = [a for a in algorithms if a not in ALGORITHMS]
@@ -124,7 +135,9 @@ def main() -> int:
             reached, final, learned, passed = [], [], 0, []
             for seed in seeds:
                 start = time.monotonic()
-                rewards, pass1 = run_once(Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps)
+                rewards, pass1 = run_once(
+                    Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps, args.engine
+                )
                 passed.append(pass1)
                 reached.append(steps_to(rewards, args.target))
                 final.append(statistics.fmean(rewards[-window:]))
