@@ -12,7 +12,7 @@ PYTEST_ARGS ?= --durations=15
 # Slurm tests run on one worker, one after another (tests/conftest.py: xdist_scope). PYTEST_WORKERS= for one.
 PYTEST_WORKERS ?= -n 2
 
-.PHONY: install check test run cluster-up cluster-down cluster-status lock clean
+.PHONY: install bytecode check test run cluster-up cluster-down cluster-status lock clean
 
 install: $(STAMP)
 
@@ -26,6 +26,13 @@ $(STAMP): $(LOCK) pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
+	$(MAKE) --no-print-directory bytecode
+
+# The package's bytecode, written once (an editable install leaves none, and where PYTHONDONTWRITEBYTECODE
+# is set no process writes it): else every server, rank and client process compiles what it imports.
+# A .py edited later is compiled in memory as usual until this runs again (make test runs it).
+bytecode:
+	$(PY) -m compileall -q ajet_hpc tests tools >/dev/null
 
 # Lint, format, and type-check the package (mypy: [tool.mypy] in pyproject.toml).
 check: install
@@ -39,6 +46,7 @@ test: install
 	@if ! sinfo -h >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then tools/slurm-dev-cluster up; \
 	  else echo "no Slurm answers and not root: the Slurm tests will be skipped"; fi; fi
+	@$(MAKE) --no-print-directory bytecode
 	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 run: install
