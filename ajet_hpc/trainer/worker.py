@@ -289,8 +289,6 @@ class Rank:
                 write_json_atomic(self.work.save_refused, {"step": self.step, "reason": reason})
         else:
             log.info("step %d: checkpoint saved on request in %.2f s", self.step, time.monotonic() - started)
-        if self.env.rank == 0:
-            self.work.save_request.unlink(missing_ok=True)
 
     def _open_sender(self) -> weight_sync.WeightSender | None:
         """The in-memory sender when the server's plan says so (`SyncPlan.in_memory`), else None (disk)."""
@@ -315,12 +313,26 @@ class Rank:
         return DiskWeights(zero.export_weights(self.models, self.work, step, self.model_dir, self.env.rank))
 
 
+def take_save_request(work: WorkDir) -> dict | None:
+    """The pending save request, taken: renamed away before it is read, so that a request the coordinator
+    writes from then on (after it saw this one's checkpoint, say) is a new one and never deleted unread."""
+    taken = work.root / "save-request.taken.json"
+    try:
+        os.replace(work.save_request, taken)
+    except FileNotFoundError:
+        return None
+    request = read_json(taken)
+    taken.unlink(missing_ok=True)
+    return request
+
+
 def look(work: WorkDir, step: int) -> Found:
     """Rank 0, at step ``step``: what the work dir holds for the ranks. A save request comes first (asked
     for on a signal, before the stop), then the stop, then the batch of step ``step + 1``. Batches for
     later steps get an error result naming the expected step, once each; a save request for another step
-    is refused in ``save-refused.json``."""
-    request = read_json(work.save_request) if work.save_request.exists() else None
+    is refused in ``save-refused.json``. A request is taken (gone) when it is read: the checkpoint it asks
+    for is the answer, and nothing of it is left for the coordinator to see once that checkpoint is."""
+    request = take_save_request(work)
     if request is not None:  # before "stop": a save is asked for first, on a signal
         wanted = request.get("step")
         state = rank_files.read_trainer_state(work)
@@ -330,7 +342,6 @@ def look(work: WorkDir, step: int) -> Found:
             reason = f"the trainer is at step {step}, not {wanted}"
             log.warning("save request refused: %s", reason)
             write_json_atomic(work.save_refused, {"step": wanted, "reason": reason})
-        work.save_request.unlink(missing_ok=True)
     if work.stop.exists():
         return Control.STOP
     if not _parent_alive():

@@ -197,12 +197,15 @@ def test_the_channel_returns_typed_answers_and_raises_on_failures(tmp_path: Path
 
 
 def reference_look(work: WorkDir, step: int) -> Batch | str | None:
-    """The former ``Rank._look`` (``self.step`` as ``step``; the parent process taken as alive)."""
+    """The former ``Rank._look`` (``self.step`` as ``step``; the parent process taken as alive), but for
+    one change made since: a save request is gone once read, also when it asks for a save (then rank 0
+    deleted it after the checkpoint, and a request written in between was deleted unread)."""
     request = read_json(work.save_request) if work.save_request.exists() else None
     if request is not None:
         wanted = request.get("step")
         state = rank_files.read_trainer_state(work)
         if wanted == step and (state is None or state.step != step):
+            work.save_request.unlink()
             return "save"
         if wanted != step:
             reason = f"the trainer is at step {step}, not {wanted}"
@@ -268,6 +271,24 @@ def test_look_decides_as_the_former_look(tmp_path: Path, monkeypatch: pytest.Mon
             seen.add(found.name)
         assert files(new.root) == files(old.root), case
     assert seen == {"batch", "WAIT", "STOP", "SAVE"}
+
+
+def test_a_save_request_written_while_the_asked_save_runs_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator may ask again as soon as it sees the checkpoint it asked for (test_trainer's
+    request for step 7 right after step 2's). Rank 0 used to delete the request after the checkpoint, so a
+    request written in between was deleted unread and its caller waited out its timeout."""
+    monkeypatch.delenv(PARENT_PID_VAR, raising=False)
+    work = WorkDir(tmp_path / "work")
+    work.root.mkdir()
+    write_json_atomic(work.save_request, {"step": 2})
+    assert look(work, 2) is Control.SAVE and not work.save_request.exists()
+    commit(work, 2)  # the save; meanwhile the coordinator asks again
+    write_json_atomic(work.save_request, {"step": 7})
+    assert look(work, 2) is Control.WAIT
+    assert read_json(work.save_refused) == {"step": 7, "reason": "the trainer is at step 2, not 7"}
+    assert not work.save_request.exists()
 
 
 # ---- checkpoints: the trusted one and the one before ---------------------------------------------------
