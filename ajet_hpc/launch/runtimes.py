@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
+import importlib.metadata
 import itertools
 import os
 import platform
@@ -262,10 +262,22 @@ def _locked(lock_file: Path, progress: Progress) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def launcher_has_pip() -> bool:
+    """Whether the launcher's interpreter has pip, asked of its installed distributions, not of the import
+    system: on Python < 3.12 setuptools' distutils shim answers ``importlib.util.find_spec("pip")`` by
+    switching the process to the standard library's distutils for good, and a later ``import setuptools``
+    (torch's ``cpp_extension``, imported by vLLM in the launch's LoRA check) then fails its assertion."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _build(runtime: Runtime, progress: Progress) -> None:
     runtime.log_file.unlink(missing_ok=True)
     if runtime.kind == "venv":
-        with_pip = importlib.util.find_spec("pip") is None  # else the launcher's pip serves, via the layer
+        with_pip = not launcher_has_pip()  # else the launcher's pip serves, via the layer
         venv = [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(runtime.path)]
         _run(runtime, "python -m venv", venv, progress)
         _layer(runtime)

@@ -3,6 +3,7 @@ hand-written sbatch lines) starts a group's jobs with its runtime's python."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +143,28 @@ def test_every_backend_starts_a_group_with_its_runtime_python(tmp_path: Path) ->
     lines = hand_commands(topology, run, pythons)
     assert lines[1].startswith(f"sbatch --export=ALL,AJET_PYTHON={python} ") and " -p cpu " in lines[1]
     assert "--export" not in lines[2]  # no runtime: the script finds .venv itself
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_asking_for_pip_leaves_setuptools_importable_in_the_launcher() -> None:
+    """The launcher asks whether it has pip before it builds a runtime, then may import vLLM (the LoRA
+    check), which imports setuptools through torch. Asked through ``importlib.util.find_spec``, setuptools'
+    distutils shim (Python < 3.12) switched the process to the standard library's distutils and that
+    import failed: a CI run lost five vLLM tests and the LoRA check that way, after the runtime tests ran in
+    the same worker. The first child shows the hazard; the second, our way of asking."""
+    hazard = _child('import importlib.util; importlib.util.find_spec("pip"); import setuptools')
+    if sys.version_info < (3, 12):
+        assert hazard.returncode != 0 and "_distutils" in hazard.stderr, hazard.stderr[-2000:]
+    ours = _child(
+        "from ajet_hpc.launch.runtimes import launcher_has_pip\n"
+        "assert launcher_has_pip()\n"
+        "import setuptools, distutils.core\n"
+        "assert '_distutils' in distutils.core.__file__, distutils.core.__file__\n"
+        "print('ok')"
+    )
+    assert ours.returncode == 0 and ours.stdout.strip() == "ok", ours.stderr[-2000:]
