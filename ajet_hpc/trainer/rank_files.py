@@ -133,6 +133,11 @@ class WorkDir:
         return self.root / "save-request.json"
 
     @property
+    def save_request_taken(self) -> Path:
+        """Where rank 0 moves a save request to read it (``worker.take_save_request``)."""
+        return self.root / "save-request.taken.json"
+
+    @property
     def save_refused(self) -> Path:
         return self.root / "save-refused.json"
 
@@ -158,7 +163,7 @@ def prepare_for_ranks(work_dir: Path) -> WorkDir:
     (``stop``, a save request or refusal, ``ready.json``): nobody waits on those now."""
     work = WorkDir(Path(work_dir).absolute())
     work.root.mkdir(parents=True, exist_ok=True)
-    for stale in (work.stop, work.save_request, work.save_refused, work.ready):
+    for stale in (work.stop, work.save_request, work.save_request_taken, work.save_refused, work.ready):
         stale.unlink(missing_ok=True)
     return work
 

@@ -316,7 +316,7 @@ class Rank:
 def take_save_request(work: WorkDir) -> dict | None:
     """The pending save request, taken: renamed away before it is read, so that a request the coordinator
     writes from then on (after it saw this one's checkpoint, say) is a new one and never deleted unread."""
-    taken = work.root / "save-request.taken.json"
+    taken = work.save_request_taken
     try:
         os.replace(work.save_request, taken)
     except FileNotFoundError:
