@@ -24,7 +24,6 @@ from typing import Any
 import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "config.md"
@@ -40,11 +39,11 @@ with `K`/`M`/`G`/`T` (megabytes without).
 """
 
 
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
     """The config models an annotation holds (itself, or inside list / Optional / dict / Annotated)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
 
 
 def render_type(annotation: Any) -> str:
@@ -72,14 +71,9 @@ def render_type(annotation: Any) -> str:
 
 
 def render_default(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-        if isinstance(value, BaseModel):
-            return "(its keys' defaults)"
-    elif field.default is PydanticUndefined:
+    if field.is_required():
         return "**required**"
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(its keys' defaults)"
     if isinstance(value, enum.Enum):
@@ -123,7 +117,7 @@ def sections(model: type[BaseModel], path: str, seen: dict[type[BaseModel], str]
     for name, field in model.model_fields.items():
         key = f"{path}.{name}" if path else name
         meaning = field.description or ""
-        for inner in _models_in(field.annotation):
+        for inner in models_in(field.annotation):
             if inner in seen:
                 meaning += f" Its keys: as `{seen[inner]}`."
                 continue

@@ -31,7 +31,8 @@ def test_the_reference_lists_every_key_of_the_models() -> None:
 
     from ajet_hpc.config import Topology
 
-    text = _generator().reference()
+    generator = _generator()
+    text = generator.reference()
     models: list[type[BaseModel]] = [Topology]
     seen: set[type[BaseModel]] = set()
     while models:
@@ -43,5 +44,5 @@ def test_the_reference_lists_every_key_of_the_models() -> None:
             assert f".{name}` |" in text or f"| `{name}` |" in text, f"{model.__name__}.{name} has no row"
             described = " ".join((field.description or "").split()).replace("|", "\\|")
             assert described and described[:40] in text, (model, name)
-            models += _generator()._models_in(field.annotation)
+            models += generator.models_in(field.annotation)
     assert len(seen) >= 10
