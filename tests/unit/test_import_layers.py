@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"
 
 LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_hpc
-    {"logging_setup", "process_tree", "fault_injection", "config", "slurm", "tracking", "sandbox"},
+    {"moved", "logging_setup", "process_tree", "fault_injection", "config", "slurm", "tracking", "sandbox"},
     {"engine", "algo"},
     {"storage"},
     {"trainer"},
@@ -55,6 +55,8 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
+    if module == "ajet_hpc":  # the root __init__ runs before any module: it may import only the lowest layer
+        return 0
     top = module.split(".")[1]
     for index, names in enumerate(LAYERS):
         if top in names:
