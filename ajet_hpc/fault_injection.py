@@ -7,8 +7,8 @@ checks that every other ``AJET_`` variable the package spells is one of its know
 hook stays only where a real kill, a real full disk or a real network fault cannot land where the test
 needs it, or where the production timing would make a test wait minutes for nothing:
 
-- `EXIT_AFTER_COMMIT` (``trainer/zero.py``), ``N``: rank 0 exits like a kill -9 right after naming step N's
-  checkpoint trusted and before the step's result is written, once per work dir. That window is a few
+- `EXIT_AFTER_COMMIT` (``trainer/ranks/zero.py``), ``N``: rank 0 exits like a kill -9 right after naming step
+  N's checkpoint trusted and before the step's result is written, once per work dir. That window is a few
   microseconds between two file renames; a signal sent from outside lands before or after it.
 - `SYNC_STALL_BUCKET` (``engine/weight_transfer.py``), ``K``: the gloo weight sender stops before bucket K
   (sleeps), so a test can kill it midway through a transfer. A transfer of the tiny model takes

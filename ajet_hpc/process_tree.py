@@ -1,7 +1,7 @@
 """Ending a process together with everything it started.
 
 Some of our children start processes in sessions of their own (torchrun puts each rank in one), and the
-ranks ignore SIGTERM until the server asks them to stop (``trainer.worker``): a signal to the child's
+ranks ignore SIGTERM until the server asks them to stop (``trainer.ranks.worker``): a signal to the child's
 process group alone can leave them running. ``kill_tree`` finds the descendants first, then SIGKILLs
 them all."""
 

@@ -21,9 +21,9 @@ from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking import ContextTracker
-from ajet_hpc.trainer.coordinator import Coordinator
-from ajet_hpc.trainer.host import TrainerSetup
-from ajet_hpc.trainer.sync_plan import decide
+from ajet_hpc.trainer.coordinator.host import TrainerSetup
+from ajet_hpc.trainer.coordinator.loop import Coordinator
+from ajet_hpc.trainer.protocol.sync_plan import decide
 
 SECRET = "c0" * 32
 REPEATS = 2  # one task group of two episodes per batch

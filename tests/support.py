@@ -107,7 +107,7 @@ def tied_copy(model_dir: Path, dest: Path, sigma: float = 0.0, seed: int = 2) ->
 
 def recorded_steps(run_dir: Path) -> list[int]:
     """The steps ``metrics.jsonl`` of a run records, in order (event rows left out)."""
-    from ajet_hpc.trainer import metrics
+    from ajet_hpc.trainer.coordinator import metrics
 
     return [row["step"] for row in metrics.read_rows(Path(run_dir) / "metrics.jsonl")]
 

@@ -48,10 +48,10 @@ from ajet_hpc.config.topology import LoraConfig, TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
-from ajet_hpc.trainer.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
-from ajet_hpc.trainer.rank_launcher import start_ranks
-from ajet_hpc.trainer.sync_channel import SyncServer, clear
-from ajet_hpc.trainer.sync_plan import SyncBackend, SyncPlan
+from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
+from ajet_hpc.trainer.protocol.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
+from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.protocol.sync_plan import SyncBackend, SyncPlan
 
 # a config.json's fields, passed as keyword arguments to transformers' config classes
 QWEN25_05B: dict[str, Any] = {
@@ -271,7 +271,7 @@ def flex_tree_check(device: str) -> float:
     from ajet_hpc.algo.merge import pack_tree
     from ajet_hpc.algo.output_layer import model_logprobs
     from ajet_hpc.algo.sample_tensors import collate
-    from ajet_hpc.trainer.step import model_inputs
+    from ajet_hpc.trainer.ranks.step import model_inputs
 
     shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
     shape.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, torch_dtype="float32")
@@ -342,8 +342,8 @@ def algorithm_bf16_check(device: str) -> tuple[float, float]:
     from ajet_hpc.algo.output_layer import model_logprobs
     from ajet_hpc.algo.sample_tensors import collate
     from ajet_hpc.config.topology import ServingConfig
-    from ajet_hpc.trainer.algorithm_settings import resolve
-    from ajet_hpc.trainer.step import model_inputs
+    from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+    from ajet_hpc.trainer.ranks.step import model_inputs
 
     shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
     shape.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, torch_dtype="float32")

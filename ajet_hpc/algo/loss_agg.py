@@ -9,7 +9,7 @@ With ``ℓ_t`` a trained token's (weighted) term, ``T`` the step's trained token
   the original GRPO, GSPO).
 
 Each is a per-token factor (:func:`token_scale`) and a step-wide divisor (:func:`step_divisor`), so the
-micro-batches of all ranks add up to the loss of the batch as one (``ajet_hpc.trainer.step``).
+micro-batches of all ranks add up to the loss of the batch as one (``ajet_hpc.trainer.ranks.step``).
 """
 
 from __future__ import annotations

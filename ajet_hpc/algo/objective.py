@@ -1,9 +1,9 @@
 """A trainer's objective: its algorithm's loss, aggregation and off-policy correction, on one micro-batch.
 
 ``Objective.of(trainer)`` reads what the loss needs from ``trainer`` (with its algorithm's defaults
-resolved: ``ajet_hpc.trainer.algorithm_settings``); :meth:`Objective.divisor` gives the step's divisor
-from all its samples and :meth:`Objective.micro_loss` one micro-batch's share of the step's loss, so that
-the micro-batches of every rank add up to the loss of the batch as one (``ajet_hpc.trainer.step``).
+resolved: ``ajet_hpc.trainer.coordinator.algorithm_settings``); :meth:`Objective.divisor` gives the step's
+divisor from all its samples and :meth:`Objective.micro_loss` one micro-batch's share of the step's loss, so
+that the micro-batches of every rank add up to the loss of the batch as one (``ajet_hpc.trainer.ranks.step``).
 The formulas are in docs/algorithms.md.
 """
 

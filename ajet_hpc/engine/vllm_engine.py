@@ -394,7 +394,7 @@ class VllmEngine(EngineLifecycle):
         if self._lora is not None and name == self._lora.lora_name:
             self._lora = request
 
-    # ---- in-memory weight sync (vLLM's weight-transfer API; the trainer drives it, see trainer/weight_sync)
+    # ---- in-memory weight sync (vLLM's weight-transfer API, driven by trainer/ranks/weight_sync.py)
 
     async def weight_transfer(self, method: str, argument) -> None:
         """One control call of an in-memory sync, as the trainer's sender asks for it: set up the transfer

@@ -22,8 +22,8 @@ from ajet_hpc.config import ConfigError, ServerConfig
 from ajet_hpc.engine.adapter import peft_config
 from ajet_hpc.engine.model_path import offline_hub, resolve_model
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer import rank_files
-from ajet_hpc.trainer.rank_files import WorkDir
+from ajet_hpc.trainer.protocol import rank_files
+from ajet_hpc.trainer.protocol.rank_files import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def export(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ajet_hpc.trainer.distributed import import_deepspeed
+    from ajet_hpc.trainer.ranks.distributed import import_deepspeed
 
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

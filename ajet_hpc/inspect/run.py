@@ -17,7 +17,7 @@ from ajet_hpc.config import ConfigError, Topology
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.storage.rundir import RunDir, RunDirError
-from ajet_hpc.trainer.metrics import read_eval_rows, read_rows
+from ajet_hpc.trainer.coordinator.metrics import read_eval_rows, read_rows
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.rundir import RunDir, RunDirError
-from ajet_hpc.trainer import trackers
+from ajet_hpc.trainer.coordinator import experiment_trackers
 
 log = logging.getLogger("ajet_hpc.launch")
 EXIT_BAD_INPUT = 2
@@ -171,7 +171,7 @@ def launch(args: argparse.Namespace) -> int:
     too_big = fit_issues(topology) + lora_issues(topology)
     if too_big:
         raise ConfigError(too_big)
-    absent = trackers.missing(topology.run.trackers)  # before anything is written or submitted
+    absent = experiment_trackers.missing(topology.run.trackers)  # before anything is written or submitted
     if absent:
         raise ConfigError(ConfigIssue("run.trackers", message) for message in absent)
     backend_name = resolve_backend(topology) if not args.dry_run else _dry_run_backend(topology)

@@ -17,7 +17,7 @@ from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.metrics import read_rows
+from ajet_hpc.trainer.coordinator.metrics import read_rows
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ajet_hpc.launch.backends import Backend, LocalBackend
 from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.metrics import read_eval_rows, read_rows
+from ajet_hpc.trainer.coordinator.metrics import read_eval_rows, read_rows
 
 log = logging.getLogger(__name__)
 

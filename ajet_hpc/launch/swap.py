@@ -56,7 +56,7 @@ from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.files import append_jsonl, holder_dead
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.metrics import read_rows
+from ajet_hpc.trainer.coordinator.metrics import read_rows
 
 STOP_TIMEOUT_S = 300.0  # how long the old tasks may take to go (Slurm kills them after KillWait anyway)
 LOCAL_GRACE_S = 60.0  # a local task that ignores SIGTERM this long (it was still starting) is killed

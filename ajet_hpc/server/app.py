@@ -27,8 +27,8 @@ from ajet_hpc.server.serving import Service
 if TYPE_CHECKING:  # the server builds these in server/assembly.py; the HTTP front does not import them
     from ajet_hpc.config.evaluation import EvalConfig
     from ajet_hpc.storage.records import StepRecord
-    from ajet_hpc.trainer.coordinator import Coordinator
-    from ajet_hpc.trainer.evaluation import EvalRounds
+    from ajet_hpc.trainer.coordinator.evaluation import EvalRounds
+    from ajet_hpc.trainer.coordinator.loop import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ class ServerContext:
 
     def attach_trainer(self, coordinator: Coordinator) -> None:
         """The trainer's collector takes each finished episode once it is in the store (see
-        ``EpisodeRecorder.on_written``). The context is the coordinator's `TrainerHost` (``trainer.host``)."""
+        ``EpisodeRecorder.on_written``). The context is the coordinator's `TrainerHost`
+        (``trainer.coordinator.host``)."""
         self.coordinator = coordinator
         self.episodes.on_closed(coordinator.collector.announce)  # coming: its task group waits for it
         self.recorder.on_written(coordinator.collector.add)

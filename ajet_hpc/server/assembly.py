@@ -41,12 +41,12 @@ from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.slurm.environment import JobEnvironment
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.coordinator import Coordinator
-from ajet_hpc.trainer.evaluation import EvalPlan, EvalRounds
-from ajet_hpc.trainer.host import TrainerSetup
-from ajet_hpc.trainer.recovery import stored_summaries
-from ajet_hpc.trainer.sync_plan import SyncPlan, decide
-from ajet_hpc.trainer.trackers import Trackers
+from ajet_hpc.trainer.coordinator.evaluation import EvalPlan, EvalRounds
+from ajet_hpc.trainer.coordinator.experiment_trackers import Trackers
+from ajet_hpc.trainer.coordinator.host import TrainerSetup
+from ajet_hpc.trainer.coordinator.loop import Coordinator
+from ajet_hpc.trainer.coordinator.recovery import stored_summaries
+from ajet_hpc.trainer.protocol.sync_plan import SyncPlan, decide
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ def eval_configs(topology: Topology, model: str) -> dict[str, EvalConfig]:
 def eval_rounds(
     ctx: ServerContext, topology: Topology, config: ServerConfig, run: RunDir
 ) -> EvalRounds | None:
-    """The eval rounds that follow ``config``'s steps (`trainer.evaluation`), None when no group's eval
-    block names this model."""
+    """The eval rounds that follow ``config``'s steps (`trainer.coordinator.evaluation`), None when no
+    group's eval block names this model."""
     plans = [
         EvalPlan(eval_group_name(c.name), c.name, c.eval, c.eval.array)
         for c in topology.clients

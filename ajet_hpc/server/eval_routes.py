@@ -1,5 +1,5 @@
 """The eval side of a server's API: eval array tasks learn of rounds and report them done; eval episodes
-are marked and sampled with their group's settings (``trainer/evaluation.py`` holds the rounds).
+are marked and sampled with their group's settings (``trainer/coordinator/evaluation.py`` holds the rounds).
 
 - ``GET /v1/eval/round?group=G&index=I``: the step of the round array task ``I`` of eval group ``G`` has to
   run; waits up to ``ROUND_POLL_S`` for one; ``finished`` once training is over.
@@ -20,7 +20,7 @@ from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, NotFound
 from ajet_hpc.server.gate import AUTHORIZATION
 from ajet_hpc.tracking.episode import EVAL_STEP, split_round_task_id
-from ajet_hpc.trainer.evaluation import EvalPlan, EvalRounds
+from ajet_hpc.trainer.coordinator.evaluation import EvalPlan, EvalRounds
 
 router = APIRouter()
 

@@ -34,7 +34,7 @@ from ajet_hpc.server.connections import (
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer import rank_files
+from ajet_hpc.trainer.protocol import rank_files
 
 log = logging.getLogger(__name__)
 

@@ -121,7 +121,8 @@ class RunDir:
 
     @property
     def metrics_file(self) -> Path:
-        """One JSON row per trained step and event, of every trained server (``trainer.metrics``)."""
+        """One JSON row per trained step and event, of every trained server
+        (``trainer.coordinator.metrics``)."""
         return self.root / "metrics.jsonl"
 
     @property

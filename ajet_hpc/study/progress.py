@@ -9,7 +9,7 @@ from typing import Any
 
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.metrics import read_rows
+from ajet_hpc.trainer.coordinator.metrics import read_rows
 
 
 def step_rows(run_dir: Path) -> list[dict[str, Any]]:

@@ -69,7 +69,7 @@ class EpisodeData(Protocol):
 
 EVAL_STEP = "eval_step"
 """The metadata key the server sets on an eval episode: the step whose policy it evaluates
-(``trainer/evaluation.py``). Such an episode is stored, scored and never trained."""
+(``trainer/coordinator/evaluation.py``). Such an episode is stored, scored and never trained."""
 
 
 def is_eval(metadata: dict[str, Any] | None) -> bool:

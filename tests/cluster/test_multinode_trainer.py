@@ -96,7 +96,7 @@ def job_processes(job_id: str, run_dir: Path) -> dict[int, dict]:
             if env.get("SLURM_JOB_ID") != job_id:
                 continue
             cmdline = " ".join(proc.info["cmdline"] or [])
-            is_rank = "ajet_hpc.trainer.worker" in cmdline and "torch.distributed" not in cmdline
+            is_rank = "ajet_hpc.trainer.ranks.worker" in cmdline and "torch.distributed" not in cmdline
             ports = sorted({c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN"})
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

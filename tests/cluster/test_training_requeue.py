@@ -25,7 +25,7 @@ from support import REPO, jobs_ended, ranks_trained_steps, recorded_steps, run_m
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 

@@ -1,7 +1,7 @@
 """Every algorithm learns the quickstart's task, cluster-free: the tiny model samples its answers in this
 process and trains on them through the trainer's own sample build (``build_samples``: baselines,
 whitening, merging) and objective (``ajet_hpc.algo.objective``), with the trainer's AdamW settings
-(``ajet_hpc.trainer.zero``) and the quickstart's learning rate.
+(``ajet_hpc.trainer.ranks.zero``) and the quickstart's learning rate.
 
 What is left out is the machinery that the other tests run (vLLM, DeepSpeed ranks, the server, clients):
 here the question is only whether each algorithm's maths moves the reward. Sampling is exactly on-policy
@@ -30,11 +30,11 @@ from ajet_hpc.config.topology import ServingConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer import zero
-from ajet_hpc.trainer.algorithm_settings import resolve
-from ajet_hpc.trainer.collector import Batch
-from ajet_hpc.trainer.episodes_to_samples import build_samples
-from ajet_hpc.trainer.step import model_inputs
+from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+from ajet_hpc.trainer.coordinator.collector import Batch
+from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
+from ajet_hpc.trainer.ranks import zero
+from ajet_hpc.trainer.ranks.step import model_inputs
 
 pytestmark = pytest.mark.slow
 

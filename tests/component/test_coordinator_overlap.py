@@ -17,10 +17,10 @@ import pytest
 from coordinator_support import REPEATS, coordinator_for, finished
 
 from ajet_hpc.engine.select import create_engine
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import BatchCollector
-from ajet_hpc.trainer.coordinator import Coordinator
-from ajet_hpc.trainer.rank_files import StepResult, TrainerChannel
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.collector import BatchCollector
+from ajet_hpc.trainer.coordinator.loop import Coordinator
+from ajet_hpc.trainer.protocol.rank_files import StepResult, TrainerChannel
 
 pytestmark = pytest.mark.slow
 

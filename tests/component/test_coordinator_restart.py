@@ -21,8 +21,8 @@ from coordinator_support import REPEATS, close_store, coordinator_for, finished
 
 from ajet_hpc import fault_injection
 from ajet_hpc.engine.select import create_engine
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.rank_files import WorkDir, read_trainer_state
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.protocol.rank_files import WorkDir, read_trainer_state
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ async def train(
 
 
 def trained_steps(coordinator_dir: Path) -> dict[str, int]:
-    from ajet_hpc.trainer.journal import ConsumedJournal
+    from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
 
     return ConsumedJournal(coordinator_dir / "consumed.jsonl").read().trained
 

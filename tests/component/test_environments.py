@@ -23,7 +23,7 @@ from ajet_hpc.agents import calculator
 from ajet_hpc.config import load_topology
 from ajet_hpc.config.fields import parse_reasoning_gym
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from server_harness import Harness, RunningServer
 
 from ajet_hpc.config.evaluation import EvalConfig
 from ajet_hpc.server.episodes import Episode
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.evaluation import EvalPlan, EvalRounds
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.evaluation import EvalPlan, EvalRounds
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,9 @@ from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
 from ajet_hpc.engine.vllm_engine import BARE_BASE
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer.rank_files import DiskWeights, TrainerChannel, WorkDir, read_trainer_state
-from ajet_hpc.trainer.rank_launcher import start_ranks
-from ajet_hpc.trainer.sync_plan import DISK
+from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
+from ajet_hpc.trainer.protocol.rank_files import DiskWeights, TrainerChannel, WorkDir, read_trainer_state
+from ajet_hpc.trainer.protocol.sync_plan import DISK
 
 pytestmark = pytest.mark.slow
 

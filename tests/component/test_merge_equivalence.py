@@ -17,8 +17,8 @@ from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.algorithms import ALGORITHMS
 from ajet_hpc.config.topology import ServingConfig
-from ajet_hpc.trainer.algorithm_settings import resolve
-from ajet_hpc.trainer.step import model_inputs
+from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+from ajet_hpc.trainer.ranks.step import model_inputs
 
 
 def calls(vocab: int, seed: int = 0) -> list[Sample]:
@@ -132,7 +132,7 @@ def test_linear_and_tree_merging_give_the_loss_logprobs_and_gradients_of_separat
 
 def test_episode_weighting_is_the_same_merged_or_not(tiny_model: Path) -> None:
     """With per-token weights (each episode weighing the same), merging keeps each token's weight."""
-    from ajet_hpc.trainer.episodes_to_samples import weigh_episodes
+    from ajet_hpc.trainer.coordinator.episodes_to_samples import weigh_episodes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     first = calls(model.config.vocab_size, seed=1)

@@ -16,8 +16,8 @@ import torch
 from support import OFF_POLICY, REPO, assert_off_policy_metrics, run_module
 
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.rank_files import local_export_root
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.protocol.rank_files import local_export_root
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,8 @@ from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer import zero
-from ajet_hpc.trainer.distributed import rank_env, shard_by_tokens
-from ajet_hpc.trainer.rank_files import (
+from ajet_hpc.trainer.coordinator.rank_launcher import hostfile_lines, rank_command, start_ranks
+from ajet_hpc.trainer.protocol.rank_files import (
     RESUME_LIMIT_VAR,
     DiskWeights,
     StepResult,
@@ -40,9 +39,10 @@ from ajet_hpc.trainer.rank_files import (
     step_name,
     write_error,
 )
-from ajet_hpc.trainer.rank_launcher import hostfile_lines, rank_command, start_ranks
-from ajet_hpc.trainer.step import plan_micro_batches
-from ajet_hpc.trainer.worker import export_root
+from ajet_hpc.trainer.ranks import zero
+from ajet_hpc.trainer.ranks.distributed import rank_env, shard_by_tokens
+from ajet_hpc.trainer.ranks.step import plan_micro_batches
+from ajet_hpc.trainer.ranks.worker import export_root
 
 LR = 1e-3
 BUDGET = 48  # micro_batch_tokens: the plan below gives the ranks 1 and 2 micro-batches
@@ -116,12 +116,12 @@ def test_rank_commands() -> None:
         "--nproc_per_node=4",
         "--module",
     ]
-    assert local[6:11] == ["ajet_hpc.trainer.worker", "--work-dir", "/w", "--model", "/m"]
+    assert local[6:11] == ["ajet_hpc.trainer.ranks.worker", "--work-dir", "/w", "--model", "/m"]
     assert TrainerConfig.model_validate_json(local[-1]) == config
     # split placement on 2 nodes of 8 GPUs, engine on 2: 6 ranks on the first node, 8 on the second
     multi = rank_command(Path("/w"), Path("/m"), config, on_slurm=True, ranks_per_node=[6, 8], python="py")
     assert multi[:4] == ["srun", "--nodes=2", "--ntasks=14", "--distribution=arbitrary"]
-    assert multi[multi.index("py") : multi.index("py") + 3] == ["py", "-m", "ajet_hpc.trainer.worker"]
+    assert multi[multi.index("py") : multi.index("py") + 3] == ["py", "-m", "ajet_hpc.trainer.ranks.worker"]
     assert hostfile_lines(["g1", "g2", "g3"], [2, 3]) == ["g1", "g1", "g2", "g2", "g2"]
     with pytest.raises(ValueError, match="Slurm"):
         rank_command(Path("/w"), Path("/m"), config, on_slurm=False, ranks_per_node=[4, 4], python="py")

@@ -30,8 +30,9 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.process_tree import kill_tree
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.rank_files import (
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
+from ajet_hpc.trainer.protocol.rank_files import (
     DiskWeights,
     MemoryWeights,
     TrainerChannel,
@@ -39,9 +40,8 @@ from ajet_hpc.trainer.rank_files import (
     WorkDir,
     read_trainer_state,
 )
-from ajet_hpc.trainer.rank_launcher import start_ranks
-from ajet_hpc.trainer.sync_channel import SyncServer, clear
-from ajet_hpc.trainer.sync_plan import DISK, SyncPlan
+from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
+from ajet_hpc.trainer.protocol.sync_plan import DISK, SyncPlan
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ Every expected value here is worked out in the test from the formula of docs/alg
 Python floats, token by token: the loss of a tiny hand-made batch and its gradient with respect to the
 trainer's log-probabilities (the only thing the model's gradient flows through). The code under test is
 the trainer's own objective (``ajet_hpc.algo.objective``) on batches collated the way the trainer
-collates them, and the sample build (``ajet_hpc.trainer.episodes_to_samples``) for the advantages.
+collates them, and the sample build (``ajet_hpc.trainer.coordinator.episodes_to_samples``) for the advantages.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from ajet_hpc.config.topology import OverlongConfig, ServingConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer.algorithm_settings import resolve
-from ajet_hpc.trainer.collector import Batch
-from ajet_hpc.trainer.episodes_to_samples import build_samples
+from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+from ajet_hpc.trainer.coordinator.collector import Batch
+from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
 
 LOW, HIGH = 0.2, 0.28
 

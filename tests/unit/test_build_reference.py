@@ -22,8 +22,8 @@ from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer import episodes_to_samples as trainer_samples
-from ajet_hpc.trainer.collector import Batch
+from ajet_hpc.trainer.coordinator import episodes_to_samples as trainer_samples
+from ajet_hpc.trainer.coordinator.collector import Batch
 
 # ---- the reference: build_samples before (verbatim but for the names) ----------------------------------
 

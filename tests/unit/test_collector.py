@@ -6,7 +6,7 @@ from ajet_hpc.config import TrainerConfig
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.server.episodes import ABORTED, FINISHED, Episode
 from ajet_hpc.tracking import ContextTracker
-from ajet_hpc.trainer.collector import BatchCollector, quotas
+from ajet_hpc.trainer.coordinator.collector import BatchCollector, quotas
 
 TOKENIZER = build_tokenizer()
 
@@ -210,7 +210,7 @@ def test_equal_groups_are_skipped_until_they_would_hold_the_trainer() -> None:
     """A policy that answers every task alike makes every group equal: the collector skips them up to
     ``EQUAL_GROUPS_PER_TASK`` per task of a batch since the last batch, then keeps them, so the run trains
     on instead of waiting for groups that no longer come; after that batch it skips again."""
-    from ajet_hpc.trainer.collector import EQUAL_GROUPS_PER_TASK
+    from ajet_hpc.trainer.coordinator.collector import EQUAL_GROUPS_PER_TASK
 
     collector = BatchCollector(config(tasks_per_batch=2, repeats=2))
     limit = EQUAL_GROUPS_PER_TASK * 2

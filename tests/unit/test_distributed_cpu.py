@@ -10,13 +10,13 @@ import textwrap
 
 from support import REPO
 
-from ajet_hpc.trainer.rank_launcher import free_port
+from ajet_hpc.trainer.coordinator.rank_launcher import free_port
 
 CHILD = textwrap.dedent(
     """
     import torch.distributed as dist
     import deepspeed.comm.comm as ds_comm
-    from ajet_hpc.trainer.distributed import RankEnv, init_process_group
+    from ajet_hpc.trainer.ranks.distributed import RankEnv, init_process_group
 
     env = RankEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port={port})
     init_process_group(env, on_gpu=False)
@@ -43,7 +43,7 @@ def test_a_cpu_rank_starts_gloo_without_building_the_shm_kernel() -> None:
 MLFLOW_CHILD = textwrap.dedent(
     """
     import sys
-    from ajet_hpc.trainer.distributed import import_deepspeed
+    from ajet_hpc.trainer.ranks.distributed import import_deepspeed
 
     deepspeed = import_deepspeed()
     from deepspeed.autotuning import autotuner

@@ -18,10 +18,10 @@ from ajet_hpc.config import ConfigError, Topology
 from ajet_hpc.config.evaluation import EvalConfig
 from ajet_hpc.launch.plan import JobSpec, build_plan
 from ajet_hpc.tracking.episode import EVAL_STEP, round_task_id, split_round_task_id
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import BatchCollector
-from ajet_hpc.trainer.evaluation import EvalPlan, EvalRounds
-from ajet_hpc.trainer.recovery import unconsumed
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.collector import BatchCollector
+from ajet_hpc.trainer.coordinator.evaluation import EvalPlan, EvalRounds
+from ajet_hpc.trainer.coordinator.recovery import unconsumed
 
 
 def test_pass_at_k_is_the_unbiased_estimator() -> None:

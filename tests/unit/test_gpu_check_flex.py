@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ajet_hpc.algo import sample_tensors as samples
-from ajet_hpc.trainer import step
+from ajet_hpc.trainer.ranks import step
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
 

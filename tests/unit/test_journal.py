@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ajet_hpc.trainer.journal import ConsumedJournal
+from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
 
 
 def test_entries_read_back_and_a_torn_line_is_ignored(tmp_path: Path) -> None:

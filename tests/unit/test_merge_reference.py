@@ -20,7 +20,7 @@ from ajet_hpc.algo import merge
 from ajet_hpc.algo.sample_tensors import Ints, Sample
 from ajet_hpc.engine import tiny, tiny_qwen
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer import episodes_to_samples as trainer_samples
+from ajet_hpc.trainer.coordinator import episodes_to_samples as trainer_samples
 
 
 def _text(decoded: str | list[str]) -> str:

@@ -15,7 +15,7 @@ from ajet_hpc.algo.grpo import entropy_from_logits, token_logprobs
 from ajet_hpc.algo.output_layer import head_logprobs, model_logprobs, predicted_positions
 from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.engine import tiny, tiny_qwen
-from ajet_hpc.trainer.step import model_inputs
+from ajet_hpc.trainer.ranks.step import model_inputs
 
 TOL = 1e-5
 

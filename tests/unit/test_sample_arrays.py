@@ -21,10 +21,10 @@ from ajet_hpc.config import MergeConfig, TrainerConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.storage.records import StepRecord, encode_step
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer.collector import Batch
-from ajet_hpc.trainer.episodes_to_samples import build_samples
-from ajet_hpc.trainer.rank_files import WorkDir, encode_batch, read_batch
-from ajet_hpc.trainer.trackers import step_histograms
+from ajet_hpc.trainer.coordinator.collector import Batch
+from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
+from ajet_hpc.trainer.coordinator.experiment_trackers import step_histograms
+from ajet_hpc.trainer.protocol.rank_files import WorkDir, encode_batch, read_batch
 
 
 def random_samples(seed: int, count: int = 12) -> list[Sample]:

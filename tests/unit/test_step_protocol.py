@@ -20,8 +20,9 @@ import pytest
 
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.storage.files import read_json, write_json_atomic
-from ajet_hpc.trainer import rank_files
-from ajet_hpc.trainer.rank_files import (
+from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_PID_VAR
+from ajet_hpc.trainer.protocol import rank_files
+from ajet_hpc.trainer.protocol.rank_files import (
     Batch,
     DiskWeights,
     Failed,
@@ -35,8 +36,7 @@ from ajet_hpc.trainer.rank_files import (
     write_error,
     write_result,
 )
-from ajet_hpc.trainer.rank_launcher import PARENT_PID_VAR
-from ajet_hpc.trainer.worker import Control, look
+from ajet_hpc.trainer.ranks.worker import Control, look
 
 
 def sample(n: int = 4) -> Sample:
@@ -363,7 +363,7 @@ def test_the_ranks_go_back_from_a_checkpoint_past_the_record(
 
 
 def test_the_recorded_step_reaches_the_ranks_as_a_number() -> None:
-    from ajet_hpc.trainer.worker import _recorded_step
+    from ajet_hpc.trainer.ranks.worker import _recorded_step
 
     assert _recorded_step({}) is None and _recorded_step({rank_files.RESUME_LIMIT_VAR: "12"}) == 12
     with pytest.raises(RuntimeError, match="AJET_RESUME_AT_MOST='x' is not a step number"):

@@ -1,7 +1,7 @@
-"""The weight sync's control plane between a rank and the server (``trainer.sync_channel``): ranks started
-while the engine loads (``Coordinator.prestart``) wait for the sync server's ENGINE_UP marker before they
-open their transfer group, and stop waiting when the server is gone; a job that ends during a sync
-interrupts the rank's calls; rank 0 learns whether the server took its ``update_weights`` or it was
+"""The weight sync's control plane between a rank and the server (``trainer.protocol.sync_channel``): ranks
+started while the engine loads (``Coordinator.prestart``) wait for the sync server's ENGINE_UP marker
+before they open their transfer group, and stop waiting when the server is gone; a job that ends during a
+sync interrupts the rank's calls; rank 0 learns whether the server took its ``update_weights`` or it was
 withdrawn (take-or-withdraw, before it sends). Real files, a real serving task."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TypedDict
 
 import pytest
 
-from ajet_hpc.trainer.sync_channel import (
+from ajet_hpc.trainer.protocol.sync_channel import (
     ENGINE_UP,
     FileSyncClient,
     SyncFailed,

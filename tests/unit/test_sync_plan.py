@@ -1,5 +1,5 @@
-"""The weight-sync decision (``trainer/sync_plan.py``): made once, from the trainer config, the placement and
-the engine, and carried to the ranks through their environment without being decided again."""
+"""The weight-sync decision (``trainer/protocol/sync_plan.py``): made once, from the trainer config, the
+placement and the engine, and carried to the ranks through their environment without being decided again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.placement import PlacementMode, cpu_placement, plan_placement
 from ajet_hpc.config.topology import LoraConfig
-from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan, decide
+from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan, decide
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"
 MEMORY = TrainerConfig(weight_sync="memory")
@@ -30,7 +30,7 @@ def test_memory_on_vllm_takes_the_backend_of_the_placement_and_the_engine_s_tens
 def test_disk_when_asked_when_nothing_trains_and_when_the_engine_cannot_receive(caplog) -> None:
     assert decide(TrainerConfig(weight_sync="disk"), cpu_placement(1), "vllm") == DISK
     assert decide(None, cpu_placement(1), "vllm") == DISK
-    with caplog.at_level("INFO", logger="ajet_hpc.trainer.sync_plan"):
+    with caplog.at_level("INFO", logger="ajet_hpc.trainer.protocol.sync_plan"):
         assert decide(MEMORY, cpu_placement(1), "transformers") == DISK
     assert "weight_sync memory needs the vLLM engine" in caplog.text
     assert not DISK.in_memory and DISK.rank_env() == {}
@@ -38,7 +38,7 @@ def test_disk_when_asked_when_nothing_trains_and_when_the_engine_cannot_receive(
 
 def test_a_lora_adapter_goes_to_the_engine_as_a_folder_whatever_the_placement(caplog) -> None:
     lora = TrainerConfig(weight_sync="memory", lora=LoraConfig(rank=8))
-    with caplog.at_level("INFO", logger="ajet_hpc.trainer.sync_plan"):
+    with caplog.at_level("INFO", logger="ajet_hpc.trainer.protocol.sync_plan"):
         for placement in (cpu_placement(1), gpus("split"), gpus("colocate")):
             assert decide(lora, placement, "vllm") == DISK
     assert "adapter reaches the engine as a node-local adapter folder" in caplog.text

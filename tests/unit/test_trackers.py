@@ -1,7 +1,8 @@
-"""Experiment trackers (``ajet_hpc.trainer.trackers``): two server processes of one run log their rows to
-TensorBoard, W&B (offline) and MLflow (file store), and each tracker's own files are read back with the
-tracker's own reader (TensorBoard's event accumulator, W&B's record protobufs, MLflow's client): every step of
-both models, under the model's prefix, in one tracker run; histograms where the tracker has them."""
+"""Experiment trackers (``ajet_hpc.trainer.coordinator.experiment_trackers``): two server processes of one run
+log their rows to TensorBoard, W&B (offline) and MLflow (file store), and each tracker's own files are read
+back with the tracker's own reader (TensorBoard's event accumulator, W&B's record protobufs, MLflow's
+client): every step of both models, under the model's prefix, in one tracker run; histograms where the
+tracker has them."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 from support import REPO, topology_dict, write_topology
 
 from ajet_hpc.launch.cli import main as launch_main
-from ajet_hpc.trainer import trackers
+from ajet_hpc.trainer.coordinator import experiment_trackers
 
 pytestmark = pytest.mark.slow
 STEPS = 3
 SERVER = f"""
 import sys
-from ajet_hpc.trainer.trackers import Trackers
+from ajet_hpc.trainer.coordinator.experiment_trackers import Trackers
 run_root, model = sys.argv[1], sys.argv[2]
 t = Trackers(run_root, "study-a", model, ["jsonl", "tensorboard", "wandb", "mlflow"])
 assert t.active == ["mlflow", "tensorboard", "wandb"], t.active
@@ -132,7 +133,7 @@ def test_jsonl_is_always_kept_and_a_tracker_not_installed_stops_the_launch(
     assert load_topology(data).run.trackers == ["jsonl", "mlflow"]
     # not installed: the real library is installed here, so its import is blocked for this test only
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    assert trackers.missing(["jsonl", "mlflow", "tensorboard"]) == [
+    assert experiment_trackers.missing(["jsonl", "mlflow", "tensorboard"]) == [
         "'mlflow' needs the mlflow package, which is not installed: pip install 'ajet_hpc[mlflow]'"
     ]
     assert launch_main([str(write_topology(tmp_path, data)), "--no-submit"]) == 2

@@ -18,7 +18,7 @@ from ajet_hpc.algo.sample_tensors import (
     tree_attention,
     tree_block_mask,
 )
-from ajet_hpc.trainer.step import model_inputs
+from ajet_hpc.trainer.ranks.step import model_inputs
 
 
 def random_tree(n: int, rng: random.Random) -> list[int]:

@@ -25,7 +25,7 @@ from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous, task_ends
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 
 def make_run(tmp_path: Path, **client) -> RunDir:

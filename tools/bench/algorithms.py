@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from ajet_hpc.config.algorithms import ALGORITHMS
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@
 The model is a randomly initialised two-layer Qwen2 (hidden 128, tied embeddings, as ``builtin:tiny-qwen``)
 with Qwen2.5's 151,643-token vocabulary, built here (no download), float32 on the CPU. The step is 8
 samples of 1,024 tokens, each with three 64-token answers of the model (loss mask 1): 8,192 tokens, 1,536
-trained. Both computations run the trainer's loop without DeepSpeed (``trainer/step.py`` adds only the
+trained. Both computations run the trainer's loop without DeepSpeed (``trainer/ranks/step.py`` adds only the
 gradient reduction): micro-batches of ``micro_batch_tokens`` 2,048 (today's path on one 8k micro-batch would
 hold ~25 GB of float32 vocabulary tensors, more than this machine has), per micro-batch the GRPO loss with
 the step's normaliser and a backward, the entropy metric, and one AdamW step.
@@ -43,7 +43,7 @@ from ajet_hpc.algo.output_layer import model_logprobs  # noqa: E402
 from ajet_hpc.algo.sample_tensors import Sample, collate, pack_micro_batches  # noqa: E402
 from ajet_hpc.config.topology import TrainerConfig  # noqa: E402
 from ajet_hpc.engine import tiny_qwen  # noqa: E402
-from ajet_hpc.trainer.step import model_inputs  # noqa: E402
+from ajet_hpc.trainer.ranks.step import model_inputs  # noqa: E402
 
 VOCAB = 151_643
 SAMPLE_TOKENS = 1024
@@ -106,7 +106,7 @@ def new_logprobs(config: TrainerConfig):
 
 
 def micro_batches(model, samples: list[Sample], config: TrainerConfig, compute) -> dict[str, float]:
-    """The trainer's micro-batch loop (trainer/step.py without DeepSpeed): loss, backward, metrics."""
+    """The trainer's micro-batch loop (trainer/ranks/step.py without DeepSpeed): loss, backward, metrics."""
     normalizer = float(sum(sum(s.loss_mask) for s in samples))
     sums = {"loss": 0.0, "entropy": 0.0}
     attention = model.config._attn_implementation

@@ -38,8 +38,8 @@ for folder in (REPO, HERE):
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.config.placement import Placement  # noqa: E402
 from ajet_hpc.storage.files import write_json_atomic  # noqa: E402
-from ajet_hpc.trainer import rank_files  # noqa: E402
-from ajet_hpc.trainer.rank_files import (  # noqa: E402
+from ajet_hpc.trainer.protocol import rank_files  # noqa: E402
+from ajet_hpc.trainer.protocol.rank_files import (  # noqa: E402
     RESUME_LIMIT_VAR,
     Batch,
     DiskWeights,
@@ -47,7 +47,7 @@ from ajet_hpc.trainer.rank_files import (  # noqa: E402
     TrainerState,
     WorkDir,
 )
-from ajet_hpc.trainer.sync_plan import SyncPlan  # noqa: E402
+from ajet_hpc.trainer.protocol.sync_plan import SyncPlan  # noqa: E402
 
 
 def zero_engine(kind: str, model_path: Path, **settings: Any):
@@ -126,7 +126,7 @@ def record_collections(path: Path) -> None:
 
 def serve(run_dir: str) -> int:
     from ajet_hpc.server import assembly, process
-    from ajet_hpc.trainer import coordinator
+    from ajet_hpc.trainer.coordinator import loop
 
     if os.environ.get(GC_OFF_ENV) == "1":
         import gc
@@ -139,14 +139,14 @@ def serve(run_dir: str) -> int:
 
         heap.THAW_EVERY = int(os.environ[THAW_EVERY_ENV])
     assembly.create_engine = zero_engine
-    coordinator.start_ranks = start_noop_ranks
+    loop.start_ranks = start_noop_ranks
     return process.serve(run_dir)
 
 
 def ranks(work_dir: str) -> int:
     """One rank that trains nothing: resumes from the committed checkpoint as the real ranks do
     (``resume_point`` with the coordinator's last recorded step), then answers every batch at once."""
-    from ajet_hpc.trainer.worker import POLL_S, Control, look
+    from ajet_hpc.trainer.ranks.worker import POLL_S, Control, look
 
     work = WorkDir(Path(work_dir))
     work.ds.mkdir(parents=True, exist_ok=True)

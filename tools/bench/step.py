@@ -12,8 +12,8 @@ forked. Each call becomes a ``Timeline`` as the server records it (prompt, respo
 loss mask, messages), and each episode a finished ``Episode`` with its task group's reward, as the
 collector receives it.
 
-Each repeat times the functions the coordinator calls for a step (``ajet_hpc/trainer/coordinator.py``), in
-the same order, on the same objects:
+Each repeat times the functions the coordinator calls for a step (``ajet_hpc/trainer/coordinator/loop.py``),
+in the same order, on the same objects:
 
 - ``collect``: ``BatchCollector.add`` for every episode, then ``try_batch`` (the batch of 32 task groups);
 - ``build``: ``build_samples`` (credit and advantages, loss weights, merging as configured, packing),
@@ -80,17 +80,17 @@ from ajet_hpc.server.episodes import FINISHED, Episode  # noqa: E402
 from ajet_hpc.storage.records import StepRecord, encode_step  # noqa: E402
 from ajet_hpc.tracking.episode import EpisodeData  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
-from ajet_hpc.trainer import metrics  # noqa: E402
-from ajet_hpc.trainer.collector import BatchCollector  # noqa: E402
-from ajet_hpc.trainer.episodes_to_samples import (  # noqa: E402
+from ajet_hpc.trainer.coordinator import metrics  # noqa: E402
+from ajet_hpc.trainer.coordinator.collector import BatchCollector  # noqa: E402
+from ajet_hpc.trainer.coordinator.episodes_to_samples import (  # noqa: E402
     build_samples,
     call_samples,
     explain_snaps,
     gc_paused,
     record_fault,
 )
-from ajet_hpc.trainer.journal import ConsumedJournal  # noqa: E402
-from ajet_hpc.trainer.rank_files import TrainerChannel, encode_batch  # noqa: E402
+from ajet_hpc.trainer.coordinator.journal import ConsumedJournal  # noqa: E402
+from ajet_hpc.trainer.protocol.rank_files import TrainerChannel, encode_batch  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

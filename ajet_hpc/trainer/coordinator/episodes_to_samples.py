@@ -39,7 +39,7 @@ from ajet_hpc.config.algorithms import Baseline, algorithm
 from ajet_hpc.config.topology import OverlongConfig
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
-from ajet_hpc.trainer.collector import Batch
+from ajet_hpc.trainer.coordinator.collector import Batch
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any
 from ajet_hpc.algo.pass_at_k import score_round
 from ajet_hpc.config.evaluation import EvalConfig
 from ajet_hpc.tracking.episode import split_round_task_id
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.trackers import Trackers
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.experiment_trackers import Trackers
 
 log = logging.getLogger(__name__)
 

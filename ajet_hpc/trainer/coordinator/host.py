@@ -25,10 +25,10 @@ from ajet_hpc.config.placement import Placement
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.algorithm_settings import resolve
-from ajet_hpc.trainer.evaluation import EvalRounds
-from ajet_hpc.trainer.sync_plan import SyncPlan
-from ajet_hpc.trainer.trackers import Trackers
+from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+from ajet_hpc.trainer.coordinator.evaluation import EvalRounds
+from ajet_hpc.trainer.coordinator.experiment_trackers import Trackers
+from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
 
 
 class StepStore(Protocol):
@@ -125,6 +125,6 @@ class TrainerSetup:
     @cached_property
     def trainer(self) -> TrainerConfig:
         """The server's trainer settings, with its algorithm's and serving's defaults filled in
-        (``ajet_hpc.trainer.algorithm_settings``)."""
+        (``ajet_hpc.trainer.coordinator.algorithm_settings``)."""
         assert self.server.trainer is not None  # checked in __post_init__
         return resolve(self.server.trainer, self.server.serving)

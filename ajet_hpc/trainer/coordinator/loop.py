@@ -36,18 +36,21 @@ from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
-from ajet_hpc.trainer import metrics
-from ajet_hpc.trainer.collector import (
+from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.collector import (
     Batch,
     BatchCollector,
     reward_by_group,
     reward_stats,
     staleness_histogram,
 )
-from ajet_hpc.trainer.episodes_to_samples import build_samples, gc_paused
-from ajet_hpc.trainer.host import TrainerHost, TrainerSetup
-from ajet_hpc.trainer.journal import ConsumedJournal
-from ajet_hpc.trainer.rank_files import (
+from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples, gc_paused
+from ajet_hpc.trainer.coordinator.experiment_trackers import step_histograms
+from ajet_hpc.trainer.coordinator.host import TrainerHost, TrainerSetup
+from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
+from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
+from ajet_hpc.trainer.coordinator.recovery import load_episodes, stored_summaries, unconsumed
+from ajet_hpc.trainer.protocol.rank_files import (
     RESUME_LIMIT_VAR,
     MemoryWeights,
     StepResult,
@@ -58,10 +61,7 @@ from ajet_hpc.trainer.rank_files import (
     encode_batch,
     read_trainer_state,
 )
-from ajet_hpc.trainer.rank_launcher import start_ranks
-from ajet_hpc.trainer.recovery import load_episodes, stored_summaries, unconsumed
-from ajet_hpc.trainer.sync_channel import SyncServer, announce_job_ending, clear
-from ajet_hpc.trainer.trackers import step_histograms
+from ajet_hpc.trainer.protocol.sync_channel import SyncServer, announce_job_ending, clear
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ no ``step`` key; ``read_rows`` returns step rows only, ``read_events`` event row
 drops events (they happened, whatever step is trained again).
 
 *Eval rows* (``{"eval": <eval group>, "model": ..., "step": ..., "eval_pass@1": ...}``, one per eval round,
-``trainer/evaluation.py``) carry the step they evaluated: ``read_eval_rows`` returns them, ``read_rows`` does
-not, and a resume drops those past its checkpoint with the step rows (their rounds run again).
+``trainer/coordinator/evaluation.py``) carry the step they evaluated: ``read_eval_rows`` returns them,
+``read_rows`` does not, and a resume drops those past its checkpoint with the step rows (their rounds run
+again).
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 How many ranks run on each node, and on which GPUs, is the server's placement (``config/placement.py``).
 
 One node (Slurm or not): ``python -m torch.distributed.run --standalone --nproc_per_node=<ranks> -m
-ajet_hpc.trainer.worker ...`` (``--standalone`` makes torchrun pick a free rendezvous port itself).
+ajet_hpc.trainer.ranks.worker ...`` (``--standalone`` makes torchrun pick a free rendezvous port itself).
 
 Several nodes (inside the server job's allocation, from the server process on the first node):
 ``srun --nodes=<nodes> --ntasks=<world> --distribution=arbitrary --overlap --kill-on-bad-exit=1 python -m
-ajet_hpc.trainer.worker ...`` with ``SLURM_HOSTFILE`` naming each rank's node in rank order, so nodes may
-hold different numbers of ranks (the first node gives GPUs to the engine). Each task is one rank; the worker
-maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID to its rank, and takes MASTER_ADDR from the
-first node of the step's node list; MASTER_PORT is a port found free here (this process runs on the
+ajet_hpc.trainer.ranks.worker ...`` with ``SLURM_HOSTFILE`` naming each rank's node in rank order, so nodes
+may hold different numbers of ranks (the first node gives GPUs to the engine). Each task is one rank; the
+worker maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_NODEID to its rank, and takes MASTER_ADDR from
+the first node of the step's node list; MASTER_PORT is a port found free here (this process runs on the
 allocation's first node). ``--overlap`` lets the step share the nodes with the server's own step.
 
 On GPUs each rank binds to its one GPU (``AJET_RANK_GPUS``, read by the worker before CUDA starts), which
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
-from ajet_hpc.trainer.distributed import slurm_hostnames
-from ajet_hpc.trainer.rank_files import prepare_for_ranks
-from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
+from ajet_hpc.trainer.protocol.rank_files import prepare_for_ranks
+from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
+from ajet_hpc.trainer.ranks.distributed import slurm_hostnames
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
 PARENT_HOST_VAR = "AJET_TRAINER_PARENT_HOST"
@@ -50,7 +50,7 @@ def free_port() -> int:
 def worker_args(work_dir: Path, model_dir: Path, config: TrainerConfig) -> list[str]:
     return [
         "-m",
-        "ajet_hpc.trainer.worker",
+        "ajet_hpc.trainer.ranks.worker",
         "--work-dir",
         str(work_dir),
         "--model",

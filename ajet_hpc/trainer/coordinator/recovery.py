@@ -3,7 +3,7 @@
 Two things survive a requeue only there: which episode keys ended (so that a resuming client commits them
 instead of running them again, and a second run of one is not trained), and the finished episodes that
 no training step consumed yet (so that the batch collector starts where the previous job left it; the
-consumed ones are named by the trainer's journal, :mod:`ajet_hpc.trainer.journal`).
+consumed ones are named by the trainer's journal, :mod:`ajet_hpc.trainer.coordinator.journal`).
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ class StepResult:
     checkpoint_time_s: float
     weights: WeightHandoff
     off_policy: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The engine/trainer gap (``ajet_hpc.trainer.step.off_policy_metrics``); absent in older files."""
+    """The engine/trainer gap (``ajet_hpc.trainer.ranks.step.off_policy_metrics``); absent in older files."""
 
     def to_json(self) -> dict[str, Any]:
         """The flat JSON of a result file (the module doc)."""

@@ -73,7 +73,8 @@ def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] =
     if "SLURM_PROCID" in environ:
         if "MASTER_PORT" not in environ:
             raise RuntimeError(
-                "under srun the launcher must set MASTER_PORT (see ajet_hpc.trainer.rank_launcher)"
+                "under srun the launcher must set MASTER_PORT "
+                "(see ajet_hpc.trainer.coordinator.rank_launcher)"
             )
         addr = environ.get("MASTER_ADDR")
         if not addr:
@@ -90,7 +91,8 @@ def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] =
             node=int(environ.get("SLURM_NODEID", "0")),
         )
     raise RuntimeError(
-        "neither RANK (torchrun) nor SLURM_PROCID (srun) is set: use ajet_hpc.trainer.rank_launcher"
+        "neither RANK (torchrun) nor SLURM_PROCID (srun) is set: "
+        "use ajet_hpc.trainer.coordinator.rank_launcher"
     )
 
 

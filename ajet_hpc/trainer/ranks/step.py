@@ -31,9 +31,9 @@ from ajet_hpc.algo.sample_tensors import (
     tree_block_mask,
 )
 from ajet_hpc.config.topology import TrainerConfig
-from ajet_hpc.trainer import lora
-from ajet_hpc.trainer.distributed import shard_by_tokens
-from ajet_hpc.trainer.zero import Models
+from ajet_hpc.trainer.ranks import lora
+from ajet_hpc.trainer.ranks.distributed import shard_by_tokens
+from ajet_hpc.trainer.ranks.zero import Models
 
 
 @dataclass(frozen=True)

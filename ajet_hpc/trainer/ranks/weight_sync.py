@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ajet_hpc.config import TrainerConfig
-from ajet_hpc.trainer.sync_plan import SyncPlan
+from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class WeightSender:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from ajet_hpc.engine.weight_transfer import register
-        from ajet_hpc.trainer.sync_channel import FileSyncClient
+        from ajet_hpc.trainer.protocol.sync_channel import FileSyncClient
 
         register()
         if plan.backend is None:
@@ -145,7 +145,7 @@ class WeightSender:
         )
 
     def _init_info(self, config: TrainerConfig, rank: int):
-        from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, free_port
+        from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_HOST_VAR, free_port
 
         workers = self.workers
         bucket = config.weight_sync_bucket_mb * 2**20
@@ -180,7 +180,7 @@ class WeightSender:
         """Send the current weights, tagged as policy ``version``; every rank calls it. When the server's
         job is ending (``sync_channel.SyncInterrupted``, only rank 0 talks to the server) the send stops,
         rank 0 still joins the gathers the other ranks are in, and the weights are reported withheld."""
-        from ajet_hpc.trainer.sync_channel import SyncInterrupted
+        from ajet_hpc.trainer.protocol.sync_channel import SyncInterrupted
 
         started = time.monotonic()
         self.client.version = version

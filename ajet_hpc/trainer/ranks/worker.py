@@ -1,4 +1,4 @@
-"""One trainer rank: ``python -m ajet_hpc.trainer.worker --work-dir DIR --model DIR --config JSON``.
+"""One trainer rank: ``python -m ajet_hpc.trainer.ranks.worker --work-dir DIR --model DIR --config JSON``.
 
 Run under torchrun (one node) or srun (several nodes), one process per rank; see ``launch``. The rank
 joins the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
@@ -34,9 +34,9 @@ from ajet_hpc.config.placement import bind_rank_gpu
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
-from ajet_hpc.trainer import rank_files, weight_sync, zero
-from ajet_hpc.trainer.distributed import RankEnv, close_process_group, init_process_group, rank_env
-from ajet_hpc.trainer.rank_files import (
+from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
+from ajet_hpc.trainer.protocol import rank_files
+from ajet_hpc.trainer.protocol.rank_files import (
     Batch,
     DiskWeights,
     MemoryWeights,
@@ -45,15 +45,16 @@ from ajet_hpc.trainer.rank_files import (
     WithheldWeights,
     WorkDir,
 )
-from ajet_hpc.trainer.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
-from ajet_hpc.trainer.step import train_step
-from ajet_hpc.trainer.sync_channel import ENGINE_UP, wait_for_engine
-from ajet_hpc.trainer.sync_plan import SyncPlan
+from ajet_hpc.trainer.protocol.sync_channel import ENGINE_UP, wait_for_engine
+from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
+from ajet_hpc.trainer.ranks import weight_sync, zero
+from ajet_hpc.trainer.ranks.distributed import RankEnv, close_process_group, init_process_group, rank_env
+from ajet_hpc.trainer.ranks.step import train_step
 
 POLL_S = 0.1
 """Seconds between two looks at the inbox (each a small broadcast from rank 0)."""
 
-log = logging.getLogger("ajet_hpc.trainer.worker")
+log = logging.getLogger("ajet_hpc.trainer.ranks.worker")
 
 
 class Control(enum.Enum):
@@ -73,7 +74,7 @@ Found = Batch | Control
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m ajet_hpc.trainer.worker", description=__doc__.split("\n")[0]
+        prog="python -m ajet_hpc.trainer.ranks.worker", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--work-dir", type=Path, required=True, help="The trainer's work dir (RUN/ckpt/<model>)."

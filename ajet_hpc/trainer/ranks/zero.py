@@ -1,6 +1,6 @@
 """DeepSpeed for the trainer: the engine from ``TrainerConfig``, the frozen reference model, weight export
 in the model's dtype, and checkpoints that only count once ``ds/trainer_state.json`` names them. With
-``trainer.lora`` the model is a peft adapter on the frozen base (`ajet_hpc.trainer.lora`): the reference
+``trainer.lora`` the model is a peft adapter on the frozen base (`ajet_hpc.trainer.ranks.lora`): the reference
 is the base itself, exports are adapter folders and checkpoints leave the base out.
 
 Gradient accumulation is the caller's (``managed_gradient_accumulation: false``): ``engine.backward`` only
@@ -27,9 +27,10 @@ from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
-from ajet_hpc.trainer import lora, rank_files
-from ajet_hpc.trainer.distributed import import_deepspeed
-from ajet_hpc.trainer.rank_files import TrainerState, WorkDir
+from ajet_hpc.trainer.protocol import rank_files
+from ajet_hpc.trainer.protocol.rank_files import TrainerState, WorkDir
+from ajet_hpc.trainer.ranks import lora
+from ajet_hpc.trainer.ranks.distributed import import_deepspeed
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
-from ajet_hpc.trainer import metrics
+from ajet_hpc.trainer.coordinator import metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
@@ -83,7 +83,9 @@ def processes(run: Path, *needles: str) -> list[psutil.Process]:
 
 def kill_a_rank(run: Path) -> int:
     ranks = [
-        p for p in processes(run, "ajet_hpc.trainer.worker") if "torch.distributed.run" not in p.cmdline()
+        p
+        for p in processes(run, "ajet_hpc.trainer.ranks.worker")
+        if "torch.distributed.run" not in p.cmdline()
     ]
     assert ranks, "no trainer rank found"
     os.kill(ranks[-1].pid, signal.SIGKILL)
