@@ -48,10 +48,12 @@ from ajet_hpc.config.topology import LoraConfig, TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
-from ajet_hpc.trainer.protocol.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.protocol.sync_plan import SyncBackend, SyncPlan
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 # a config.json's fields, passed as keyword arguments to transformers' config classes
 QWEN25_05B: dict[str, Any] = {

@@ -34,7 +34,7 @@ from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 from ajet_hpc.tracking.episode import EpisodeState, split_round_task_id
-from ajet_hpc.trainer.protocol.rank_files import WorkDir
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 log = logging.getLogger(__name__)
 

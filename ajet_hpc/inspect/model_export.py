@@ -22,8 +22,9 @@ from ajet_hpc.config import ConfigError, ServerConfig
 from ajet_hpc.engine.adapter import peft_config
 from ajet_hpc.engine.model_path import offline_hub, resolve_model
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.protocol import rank_files
-from ajet_hpc.trainer.protocol.rank_files import WorkDir
+from ajet_hpc.trainer.protocol.checkpoints import read_trainer_state
+from ajet_hpc.trainer.protocol.weight_handoff import copy_model_extras
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, step_name
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,12 @@ def trained_server(run: RunDir, name: str | None) -> ServerConfig:
 
 def checkpoint_tag(work: WorkDir, step: int | None) -> tuple[str, int]:
     """The DeepSpeed tag of ``step`` (default: the newest committed checkpoint) and its step."""
-    state = rank_files.read_trainer_state(work)
+    state = read_trainer_state(work)
     if step is None:
         if state is None:
             raise ExportError(f"{work.ds} holds no committed checkpoint yet")
         return state.tag, state.step
-    tag = rank_files.step_name(step)
+    tag = step_name(step)
     if not (work.ds / tag).is_dir():
         found = sorted(p.name for p in work.ds.glob("step-*")) if work.ds.is_dir() else []
         raise ExportError(
@@ -117,7 +118,7 @@ def export(
             if lora is not None:
                 net = net.merge_and_unload()
             net.save_pretrained(out, safe_serialization=True)
-    rank_files.copy_model_extras(base_dir, out)
+    copy_model_extras(base_dir, out)
     log.info("exported %s step %d to %s in %.1f s", server.name, at, out, time.monotonic() - started)
     return server.name, at
 

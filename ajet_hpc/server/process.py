@@ -34,7 +34,7 @@ from ajet_hpc.server.connections import (
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.protocol import rank_files
+from ajet_hpc.trainer.protocol.weight_handoff import remove_local_exports
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             heartbeat.stop()
             _leave(ctx, run.rendezvous_file(ctx.name), heartbeat)
             if ctx.coordinator is not None:  # its weight exports on this node's disk: nobody reads them now
-                rank_files.remove_local_exports(ctx.coordinator.work_dir)
+                remove_local_exports(ctx.coordinator.work_dir)
         sock.close()
     return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
 

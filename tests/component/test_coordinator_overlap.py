@@ -18,9 +18,10 @@ from coordinator_support import REPEATS, coordinator_for, finished
 
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.collector import BatchCollector
 from ajet_hpc.trainer.coordinator.loop import Coordinator
-from ajet_hpc.trainer.protocol.rank_files import StepResult, TrainerChannel
+from ajet_hpc.trainer.protocol.step_result import StepResult
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,8 @@ from coordinator_support import REPEATS, close_store, coordinator_for, finished
 from ajet_hpc import fault_injection
 from ajet_hpc.engine.select import create_engine
 from ajet_hpc.trainer.coordinator import metrics
-from ajet_hpc.trainer.protocol.rank_files import WorkDir, read_trainer_state
+from ajet_hpc.trainer.protocol.checkpoints import read_trainer_state
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,12 @@ from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings
 from ajet_hpc.engine.vllm_engine import BARE_BASE
 from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
-from ajet_hpc.trainer.protocol.rank_files import DiskWeights, TrainerChannel, WorkDir, read_trainer_state
+from ajet_hpc.trainer.protocol.checkpoints import read_trainer_state
 from ajet_hpc.trainer.protocol.sync_plan import DISK
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 pytestmark = pytest.mark.slow
 

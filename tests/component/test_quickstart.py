@@ -17,7 +17,7 @@ from support import OFF_POLICY, REPO, assert_off_policy_metrics, run_module
 
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer.coordinator import metrics
-from ajet_hpc.trainer.protocol.rank_files import local_export_root
+from ajet_hpc.trainer.protocol.weight_handoff import local_export_root
 
 pytestmark = pytest.mark.slow
 

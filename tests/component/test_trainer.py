@@ -25,20 +25,13 @@ from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config.placement import cpu_placement
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.rank_launcher import hostfile_lines, rank_command, start_ranks
-from ajet_hpc.trainer.protocol.rank_files import (
-    RESUME_LIMIT_VAR,
-    DiskWeights,
-    StepResult,
-    TrainerChannel,
-    TrainerFailed,
-    TrainerState,
-    WorkDir,
-    read_batch,
-    read_trainer_state,
-    step_name,
-    write_error,
-)
+from ajet_hpc.trainer.protocol.batch_file import read_batch
+from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, TrainerState, read_trainer_state
+from ajet_hpc.trainer.protocol.step_result import StepResult, write_error
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, step_name
 from ajet_hpc.trainer.ranks import zero
 from ajet_hpc.trainer.ranks.distributed import rank_env, shard_by_tokens
 from ajet_hpc.trainer.ranks.step import plan_micro_batches

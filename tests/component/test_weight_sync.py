@@ -31,17 +31,13 @@ from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
-from ajet_hpc.trainer.protocol.rank_files import (
-    DiskWeights,
-    MemoryWeights,
-    TrainerChannel,
-    TrainerFailed,
-    WorkDir,
-    read_trainer_state,
-)
+from ajet_hpc.trainer.protocol.checkpoints import read_trainer_state
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.protocol.sync_plan import DISK, SyncPlan
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 pytestmark = pytest.mark.slow
 

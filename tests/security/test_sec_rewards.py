@@ -24,11 +24,11 @@ from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking import ContextTracker
 from ajet_hpc.tracking.episode import EpisodeData
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.collector import Batch, BatchCollector
 from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
 from ajet_hpc.trainer.coordinator.host import TrainerSetup
 from ajet_hpc.trainer.coordinator.loop import Coordinator
-from ajet_hpc.trainer.protocol.rank_files import TrainerChannel
 from ajet_hpc.trainer.protocol.sync_plan import DISK
 
 LIMIT = 10.0

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ajet_hpc.algo.sample_tensors import Sample
-from ajet_hpc.trainer.protocol.rank_files import WorkDir, encode_batch, read_batch, write_batch
+from ajet_hpc.trainer.protocol.batch_file import encode_batch, read_batch, write_batch
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 
 def random_sample(rng: random.Random, index: int) -> Sample:

@@ -24,7 +24,8 @@ from ajet_hpc.tracking.timeline import Timeline
 from ajet_hpc.trainer.coordinator.collector import Batch
 from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
 from ajet_hpc.trainer.coordinator.experiment_trackers import step_histograms
-from ajet_hpc.trainer.protocol.rank_files import WorkDir, encode_batch, read_batch
+from ajet_hpc.trainer.protocol.batch_file import encode_batch, read_batch
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 
 def random_samples(seed: int, count: int = 12) -> list[Sample]:

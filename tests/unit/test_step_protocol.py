@@ -20,22 +20,21 @@ import pytest
 
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.storage.files import read_json, write_json_atomic
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_PID_VAR
-from ajet_hpc.trainer.protocol import rank_files
-from ajet_hpc.trainer.protocol.rank_files import (
-    Batch,
-    DiskWeights,
-    Failed,
-    MemoryWeights,
-    StepResult,
-    TrainerChannel,
-    TrainerFailed,
+from ajet_hpc.trainer.protocol.batch_file import Batch, encode_batch, read_batch
+from ajet_hpc.trainer.protocol.checkpoints import (
+    RESUME_LIMIT_VAR,
     TrainerState,
-    WorkDir,
-    read_result,
-    write_error,
-    write_result,
+    commit_checkpoint,
+    next_trainer_state,
+    read_trainer_state,
+    resume_point,
+    uncommit_checkpoint,
 )
+from ajet_hpc.trainer.protocol.step_result import Failed, StepResult, read_result, write_error, write_result
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights, WeightHandoff
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, step_name
 from ajet_hpc.trainer.ranks.worker import Control, look
 
 
@@ -67,7 +66,7 @@ def random_metrics(rng: random.Random) -> dict[str, float]:
     }
 
 
-def random_handoff(rng: random.Random, folder: Path) -> tuple[dict[str, Any], rank_files.WeightHandoff]:
+def random_handoff(rng: random.Random, folder: Path) -> tuple[dict[str, Any], WeightHandoff]:
     """The former ``Rank._publish`` dict and the typed hand-off for the same weights."""
     if rng.random() < 0.5:
         seconds, size = round(rng.uniform(0, 5), 4), rng.randrange(10**10)
@@ -77,7 +76,7 @@ def random_handoff(rng: random.Random, folder: Path) -> tuple[dict[str, Any], ra
 
 
 def reference_result(step: int, metrics: dict[str, float], weights: dict[str, Any], times: tuple) -> dict:
-    """The result dict rank 0 wrote before `StepResult` (``Rank._train`` and ``rank_files.write_result``)."""
+    """The result dict rank 0 wrote before `StepResult` (``Rank._train`` and ``step_result.write_result``)."""
     step_time, export_time, checkpoint, checkpoint_time = times
     result = {
         **metrics,
@@ -203,7 +202,7 @@ def reference_look(work: WorkDir, step: int) -> Batch | str | None:
     request = read_json(work.save_request) if work.save_request.exists() else None
     if request is not None:
         wanted = request.get("step")
-        state = rank_files.read_trainer_state(work)
+        state = read_trainer_state(work)
         if wanted == step and (state is None or state.step != step):
             work.save_request.unlink()
             return "save"
@@ -216,7 +215,7 @@ def reference_look(work: WorkDir, step: int) -> Batch | str | None:
     expected = step + 1
     for pending in work.pending_steps():
         if pending == expected:
-            return rank_files.read_batch(work.batch_file(pending))
+            return read_batch(work.batch_file(pending))
         if pending > expected and not work.result_file(pending).exists():
             write_error(work, pending, f"the trainer is at step {step} and takes step {expected} next")
     return None
@@ -238,7 +237,7 @@ def random_state(rng: random.Random, work: WorkDir, step: int, batch: bytes) -> 
         write_json_atomic(work.save_request, {"step": rng.choice((step, step, step - 1, step + 2))})
     if rng.random() < 0.5:
         trusted = rng.choice((step, step - 1))
-        state = TrainerState(trusted, rank_files.step_name(trusted), 1, 2, [])
+        state = TrainerState(trusted, step_name(trusted), 1, 2, [])
         write_json_atomic(work.trainer_state, dataclasses.asdict(state))
 
 
@@ -257,7 +256,7 @@ def test_look_decides_as_the_former_look(tmp_path: Path, monkeypatch: pytest.Mon
         for name in ("new", "old"):
             work = WorkDir(tmp_path / str(case) / name)
             work.root.mkdir(parents=True)
-            batch_bytes = rank_files.encode_batch(step + 1, [sample()], save_checkpoint=False)
+            batch_bytes = encode_batch(step + 1, [sample()], save_checkpoint=False)
             random_state(random.Random(seed), work, step, batch_bytes)
             dirs.append(work)
         new, old = dirs
@@ -295,14 +294,14 @@ def test_a_save_request_written_while_the_asked_save_runs_is_answered(
 
 
 def checkpoint(step: int) -> TrainerState:
-    return TrainerState(step, rank_files.step_name(step), 2, 2, ["rng-rank00000.pt", "rng-rank00001.pt"])
+    return TrainerState(step, step_name(step), 2, 2, ["rng-rank00000.pt", "rng-rank00001.pt"])
 
 
 def commit(work: WorkDir, step: int) -> TrainerState:
     """What rank 0 does once every rank has written step ``step``'s checkpoint."""
-    (work.ds / rank_files.step_name(step)).mkdir(parents=True, exist_ok=True)
-    state = rank_files.next_trainer_state(rank_files.read_trainer_state(work), checkpoint(step))
-    rank_files.commit_checkpoint(work, state)
+    (work.ds / step_name(step)).mkdir(parents=True, exist_ok=True)
+    state = next_trainer_state(read_trainer_state(work), checkpoint(step))
+    commit_checkpoint(work, state)
     return state
 
 
@@ -313,12 +312,12 @@ def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
     second = commit(work, 10)
     assert second.previous is not None
     assert (second.previous.step, second.previous.first, second.first) == (5, True, False)
-    assert rank_files.read_trainer_state(work) == second  # the previous one read back typed
+    assert read_trainer_state(work) == second  # the previous one read back typed
     third = commit(work, 15)
     assert third.previous == dataclasses.replace(checkpoint(10), previous=None)
     assert sorted(p.name for p in work.ds.iterdir() if p.is_dir()) == ["step-000010", "step-000015"]
     # saved again after going back (a step trained again): the one before stays the one before
-    rank_files.uncommit_checkpoint(work, third.previous)
+    uncommit_checkpoint(work, third.previous)
     shutil.rmtree(work.ds / "step-000015")
     again = commit(work, 15)
     assert again.previous is not None
@@ -328,7 +327,7 @@ def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
         work.trainer_state,
         {k: v for k, v in dataclasses.asdict(checkpoint(7)).items() if k not in ("previous", "first")},
     )
-    old = rank_files.read_trainer_state(work)
+    old = read_trainer_state(work)
     assert old == checkpoint(7) and not old.first
 
 
@@ -353,7 +352,7 @@ def test_a_checkpoint_names_the_one_before_and_keeps_it(tmp_path: Path) -> None:
 def test_the_ranks_go_back_from_a_checkpoint_past_the_record(
     state: TrainerState, recorded: int | None, resumed: int | None, why: str | None
 ) -> None:
-    chosen, reason = rank_files.resume_point(state, recorded)
+    chosen, reason = resume_point(state, recorded)
     assert (None if chosen is None else chosen.step) == resumed
     if why is None:
         assert reason is None and chosen is state
@@ -365,6 +364,6 @@ def test_the_ranks_go_back_from_a_checkpoint_past_the_record(
 def test_the_recorded_step_reaches_the_ranks_as_a_number() -> None:
     from ajet_hpc.trainer.ranks.worker import _recorded_step
 
-    assert _recorded_step({}) is None and _recorded_step({rank_files.RESUME_LIMIT_VAR: "12"}) == 12
+    assert _recorded_step({}) is None and _recorded_step({RESUME_LIMIT_VAR: "12"}) == 12
     with pytest.raises(RuntimeError, match="AJET_RESUME_AT_MOST='x' is not a step number"):
-        _recorded_step({rank_files.RESUME_LIMIT_VAR: "x"})
+        _recorded_step({RESUME_LIMIT_VAR: "x"})

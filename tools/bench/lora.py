@@ -52,10 +52,12 @@ from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, write_initial_adapter
 from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
-from ajet_hpc.trainer.protocol.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.protocol.sync_plan import DISK, SyncPlan
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 LORA = LoraConfig(rank=16, alpha=32)
 

@@ -10,7 +10,7 @@ for token, as the server records it. The forked variant retries 20 % of the turn
 the third): the failed attempt is a call with the same prompt and another answer, a fork.
 
 For each N the same episodes are trained three ways through the real trainer (DeepSpeed ZeRO-2 ranks on
-CPU, the file protocol of ``ajet_hpc.trainer.protocol.rank_files``): one sample per call; linear merging; tree
+CPU, the file protocol of ``ajet_hpc.trainer.protocol``): one sample per call; linear merging; tree
 merging. The modes alternate within each repeat, and the time is the ranks' own ``step_time_s`` (forward,
 backward and optimizer step; no export). Reported per N: median seconds, speedups over per-call samples,
 and the token limit = per-call tokens / tokens after tree merging (the speedup if time were proportional
@@ -47,8 +47,8 @@ from ajet_hpc.algo.sample_tensors import Sample  # noqa: E402
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.config.placement import cpu_placement  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel  # noqa: E402
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks  # noqa: E402
-from ajet_hpc.trainer.protocol.rank_files import TrainerChannel  # noqa: E402
 
 SYSTEM_TOKENS, TASK_TOKENS, ACTION_TOKENS, TOOL_TOKENS = 1500, 60, 100, 150
 MODES = ("per-call", "linear", "tree")

@@ -89,7 +89,7 @@ from scale_server import GC_STATS_ENV  # noqa: E402
 from ajet_hpc.storage.client_store import read_results  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402
 from ajet_hpc.trainer.coordinator import metrics  # noqa: E402
-from ajet_hpc.trainer.protocol.rank_files import WorkDir  # noqa: E402
+from ajet_hpc.trainer.protocol.work_dir import WorkDir  # noqa: E402
 
 MODEL, GROUP, REPEATS = "policy", "swarm", 8
 TASKS_PER_PROCESS = 16

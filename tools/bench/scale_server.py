@@ -10,7 +10,7 @@ measurement only:
 - the engine is ``zero_engine.ZeroEngine`` (the model's tokenizer; every answer instant), built where the
   server would build its real engine (``assembly.create_engine``);
 - the trainer ranks are this file's ``ranks``, started where the coordinator starts the real ones
-  (``coordinator.start_ranks``). They speak the real file protocol (``rank_files``, ``worker.look``):
+  (``coordinator.start_ranks``). They speak the real file protocol (``trainer.protocol``, ``worker.look``):
   ``ready.json``, batch in, result out, checkpoints committed as ``trainer_state.json``; each step consumes
   its batch and trains nothing. The weights they hand over are an empty folder, which the zero engine
   "loads" by taking the step as its policy version.
@@ -38,16 +38,23 @@ for folder in (REPO, HERE):
 from ajet_hpc.config import TrainerConfig  # noqa: E402
 from ajet_hpc.config.placement import Placement  # noqa: E402
 from ajet_hpc.storage.files import write_json_atomic  # noqa: E402
-from ajet_hpc.trainer.protocol import rank_files  # noqa: E402
-from ajet_hpc.trainer.protocol.rank_files import (  # noqa: E402
+from ajet_hpc.trainer.protocol.batch_file import Batch  # noqa: E402
+from ajet_hpc.trainer.protocol.checkpoints import (  # noqa: E402
     RESUME_LIMIT_VAR,
-    Batch,
-    DiskWeights,
-    StepResult,
     TrainerState,
-    WorkDir,
+    commit_checkpoint,
+    next_trainer_state,
+    read_trainer_state,
+    resume_point,
+    uncommit_checkpoint,
+)
+from ajet_hpc.trainer.protocol.step_result import (  # noqa: E402
+    StepResult,
+    write_result,
 )
 from ajet_hpc.trainer.protocol.sync_plan import SyncPlan  # noqa: E402
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights  # noqa: E402
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, prepare_for_ranks, step_name  # noqa: E402
 
 
 def zero_engine(kind: str, model_path: Path, **settings: Any):
@@ -69,7 +76,7 @@ def start_noop_ranks(
     sync: SyncPlan | None = None,
 ) -> subprocess.Popen:
     """Stands in for ``rank_launcher.start_ranks``: the same stale files cleared, this file's ``ranks``."""
-    work = rank_files.prepare_for_ranks(work_dir)
+    work = prepare_for_ranks(work_dir)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, __file__, "ranks", str(work.root)],
@@ -163,7 +170,7 @@ def ranks(work_dir: str) -> int:
             step = found.step
             if found.save_checkpoint:
                 _commit(work, step)
-            rank_files.write_result(work, _result(found, weights))
+            write_result(work, _result(found, weights))
         elif found is Control.SAVE:
             _commit(work, step)
             work.save_request.unlink(missing_ok=True)
@@ -174,21 +181,19 @@ def ranks(work_dir: str) -> int:
 
 
 def _resume_step(work: WorkDir, recorded: str | None) -> int:
-    state = rank_files.read_trainer_state(work)
+    state = read_trainer_state(work)
     if state is None:
         return 0
-    point, _ = rank_files.resume_point(state, int(recorded) if recorded else None)
-    rank_files.uncommit_checkpoint(work, point)
+    point, _ = resume_point(state, int(recorded) if recorded else None)
+    uncommit_checkpoint(work, point)
     return point.step if point is not None else 0
 
 
 def _commit(work: WorkDir, step: int) -> None:
-    tag = rank_files.step_name(step)
+    tag = step_name(step)
     (work.ds / tag).mkdir(parents=True, exist_ok=True)
     state = TrainerState(step=step, tag=tag, world_size=1, zero_stage=0, rng_files=[])
-    rank_files.commit_checkpoint(
-        work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state)
-    )
+    commit_checkpoint(work, next_trainer_state(read_trainer_state(work), state))
 
 
 def _result(batch: Batch, weights: Path) -> StepResult:

@@ -81,6 +81,7 @@ from ajet_hpc.storage.records import StepRecord, encode_step  # noqa: E402
 from ajet_hpc.tracking.episode import EpisodeData  # noqa: E402
 from ajet_hpc.tracking.timeline import MODEL, SYSTEM, TOOL, USER, Timeline  # noqa: E402
 from ajet_hpc.trainer.coordinator import metrics  # noqa: E402
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel  # noqa: E402
 from ajet_hpc.trainer.coordinator.collector import BatchCollector  # noqa: E402
 from ajet_hpc.trainer.coordinator.episodes_to_samples import (  # noqa: E402
     build_samples,
@@ -90,7 +91,7 @@ from ajet_hpc.trainer.coordinator.episodes_to_samples import (  # noqa: E402
     record_fault,
 )
 from ajet_hpc.trainer.coordinator.journal import ConsumedJournal  # noqa: E402
-from ajet_hpc.trainer.protocol.rank_files import TrainerChannel, encode_batch  # noqa: E402
+from ajet_hpc.trainer.protocol.batch_file import encode_batch  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -36,10 +36,12 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
-from ajet_hpc.trainer.protocol.rank_files import DiskWeights, MemoryWeights, TrainerChannel, WorkDir
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, clear
 from ajet_hpc.trainer.protocol.sync_plan import DISK, SyncBackend, SyncPlan
+from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 SHAPES = {
     # the smoke test's: the same vocabulary and ties, two narrow layers (the figures mean nothing)

@@ -37,6 +37,7 @@ from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.collector import (
     Batch,
     BatchCollector,
@@ -50,18 +51,12 @@ from ajet_hpc.trainer.coordinator.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
 from ajet_hpc.trainer.coordinator.recovery import load_episodes, stored_summaries, unconsumed
-from ajet_hpc.trainer.protocol.rank_files import (
-    RESUME_LIMIT_VAR,
-    MemoryWeights,
-    StepResult,
-    TrainerChannel,
-    TrainerFailed,
-    WithheldWeights,
-    WorkDir,
-    encode_batch,
-    read_trainer_state,
-)
+from ajet_hpc.trainer.protocol.batch_file import encode_batch
+from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, read_trainer_state
+from ajet_hpc.trainer.protocol.step_result import StepResult
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, announce_job_ending, clear
+from ajet_hpc.trainer.protocol.weight_handoff import MemoryWeights, WithheldWeights
+from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 log = logging.getLogger(__name__)
 

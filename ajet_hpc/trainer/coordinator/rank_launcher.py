@@ -32,8 +32,8 @@ from pathlib import Path
 
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
-from ajet_hpc.trainer.protocol.rank_files import prepare_for_ranks
 from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
+from ajet_hpc.trainer.protocol.work_dir import prepare_for_ranks
 from ajet_hpc.trainer.ranks.distributed import slurm_hostnames
 
 PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"

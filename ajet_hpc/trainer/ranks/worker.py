@@ -1,14 +1,13 @@
 """One trainer rank: ``python -m ajet_hpc.trainer.ranks.worker --work-dir DIR --model DIR --config JSON``.
 
-Run under torchrun (one node) or srun (several nodes), one process per rank; see ``launch``. The rank
-joins the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
-``ready.json`` (rank 0), then serves the work dir's inbox (see ``rank_files``) until ``stop`` appears.
+Run under torchrun (one node) or srun (several nodes), one process per rank; see ``launch``. The rank joins
+the process group, builds the DeepSpeed engine, resumes from the last trusted checkpoint, writes
+``ready.json`` (rank 0), then serves the work dir's inbox (see ``ajet_hpc.trainer.protocol``) until ``stop``
+appears.
 
-Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (`Found`:
-the next batch, or a `Control`: nothing yet, stop, save) to all ranks, so all ranks take the same decision
-at the same time whatever the shared file system shows each node, and no rank waits long inside a
-collective.
-"""
+Only rank 0 reads the work dir's control files: every ``POLL_S`` it broadcasts what it found (`Found`: the
+next batch, or a `Control`: nothing yet, stop, save) to all ranks, so all ranks take the same decision at the
+same time whatever the shared file system shows each node, and no rank waits long inside a collective."""
 
 from __future__ import annotations
 
@@ -35,18 +34,19 @@ from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
 from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
-from ajet_hpc.trainer.protocol import rank_files
-from ajet_hpc.trainer.protocol.rank_files import (
-    Batch,
-    DiskWeights,
-    MemoryWeights,
-    StepResult,
-    WeightHandoff,
-    WithheldWeights,
-    WorkDir,
-)
+from ajet_hpc.trainer.protocol.batch_file import Batch, read_batch
+from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, read_trainer_state
+from ajet_hpc.trainer.protocol.step_result import StepResult, write_error, write_result
 from ajet_hpc.trainer.protocol.sync_channel import ENGINE_UP, wait_for_engine
 from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
+from ajet_hpc.trainer.protocol.weight_handoff import (
+    DiskWeights,
+    MemoryWeights,
+    WeightHandoff,
+    WithheldWeights,
+    local_export_root,
+)
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, discard_after
 from ajet_hpc.trainer.ranks import weight_sync, zero
 from ajet_hpc.trainer.ranks.distributed import RankEnv, close_process_group, init_process_group, rank_env
 from ajet_hpc.trainer.ranks.step import train_step
@@ -119,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _recorded_step(environ: Mapping[str, str]) -> int | None:
     """The last step the coordinator recorded (``AJET_RESUME_AT_MOST``), None when not given."""
-    value = environ.get(rank_files.RESUME_LIMIT_VAR, "").strip()
+    value = environ.get(RESUME_LIMIT_VAR, "").strip()
     if not value:
         return None
     try:
         return int(value)
     except ValueError as exc:
-        raise RuntimeError(f"{rank_files.RESUME_LIMIT_VAR}={value!r} is not a step number") from exc
+        raise RuntimeError(f"{RESUME_LIMIT_VAR}={value!r} is not a step number") from exc
 
 
 def _exit_if_asked(stop_file: Path) -> None:
@@ -166,7 +166,7 @@ class Rank:
                 recorded=_recorded_step(os.environ),
             )
             if self.env.rank == 0:
-                for path in rank_files.discard_after(self.work, self.step):
+                for path in discard_after(self.work, self.step):
                     log.info("removed %s, left by a run past step %d", path, self.step)
             self.sender = self._open_sender()
             weights = self._publish(self.step) if self.step else None
@@ -208,7 +208,7 @@ class Rank:
                 self._train(batch)
             except Exception as error:
                 log.exception("step %d failed", batch.step)
-                rank_files.write_error(self.work, batch.step, f"rank {self.env.rank}: {_describe(error)}")
+                write_error(self.work, batch.step, f"rank {self.env.rank}: {_describe(error)}")
                 return 1
 
     def _next_batch(self) -> Batch | None:
@@ -273,7 +273,7 @@ class Rank:
             checkpoint_time,
         )
         if rank == 0:
-            rank_files.write_result(self.work, result)
+            write_result(self.work, result)
             self.work.batch_file(batch.step).unlink(missing_ok=True)
 
     def _save_on_request(self) -> None:
@@ -336,7 +336,7 @@ def look(work: WorkDir, step: int) -> Found:
     request = take_save_request(work)
     if request is not None:  # before "stop": a save is asked for first, on a signal
         wanted = request.get("step")
-        state = rank_files.read_trainer_state(work)
+        state = read_trainer_state(work)
         if wanted == step and (state is None or state.step != step):
             return Control.SAVE
         if wanted != step:
@@ -351,11 +351,9 @@ def look(work: WorkDir, step: int) -> Found:
     expected = step + 1
     for pending in work.pending_steps():
         if pending == expected:
-            return rank_files.read_batch(work.batch_file(pending))
+            return read_batch(work.batch_file(pending))
         if pending > expected and not work.result_file(pending).exists():
-            rank_files.write_error(
-                work, pending, f"the trainer is at step {step} and takes step {expected} next"
-            )
+            write_error(work, pending, f"the trainer is at step {step} and takes step {expected} next")
     return Control.WAIT
 
 
@@ -367,7 +365,7 @@ def export_root(work_dir: Path) -> Path:
     if os.environ.get(PARENT_HOST_VAR, socket.gethostname()) != socket.gethostname():
         log.warning("rank 0 runs on another host than the server: weight exports go to shared storage")
         return work_dir / "weights"
-    return rank_files.local_export_root(work_dir)
+    return local_export_root(work_dir)
 
 
 def _parent_alive() -> bool:

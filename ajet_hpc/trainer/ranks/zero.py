@@ -27,8 +27,16 @@ from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import tree_attention
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
-from ajet_hpc.trainer.protocol import rank_files
-from ajet_hpc.trainer.protocol.rank_files import TrainerState, WorkDir
+from ajet_hpc.trainer.protocol.checkpoints import (
+    TrainerState,
+    commit_checkpoint,
+    next_trainer_state,
+    read_trainer_state,
+    resume_point,
+    uncommit_checkpoint,
+)
+from ajet_hpc.trainer.protocol.weight_handoff import copy_model_extras, publish_weights, staging_dir
+from ajet_hpc.trainer.protocol.work_dir import WorkDir, step_name
 from ajet_hpc.trainer.ranks import lora
 from ajet_hpc.trainer.ranks.distributed import import_deepspeed
 
@@ -187,17 +195,17 @@ def export_weights(models: Models, work: WorkDir, step: int, model_dir: Path, ra
         final = work.weights_dir(step)
         if rank != 0:
             return final
-        staged = rank_files.staging_dir(work, step)
+        staged = staging_dir(work, step)
         lora.save_adapter(module, adapter, staged)
-        return rank_files.publish_weights(work, step, staged)
+        return publish_weights(work, step, staged)
     state = full_state_dict(models, rank)
     final = work.weights_dir(step)
     if rank != 0:
         return final
-    staged = rank_files.staging_dir(work, step)
+    staged = staging_dir(work, step)
     module.save_pretrained(staged, state_dict=state, safe_serialization=True)
-    rank_files.copy_model_extras(model_dir, staged)
-    return rank_files.publish_weights(work, step, staged)
+    copy_model_extras(model_dir, staged)
+    return publish_weights(work, step, staged)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -226,7 +234,7 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     ``trainer_state.json``. All ranks call it. A crash before the last write leaves the previous one."""
     import torch.distributed as dist
 
-    tag = rank_files.step_name(step)
+    tag = step_name(step)
     tag_dir = work.ds / tag
     if rank == 0 and tag_dir.exists():  # left by an abandoned run that got past this step
         shutil.rmtree(tag_dir)
@@ -242,9 +250,7 @@ def save_checkpoint(models: Models, work: WorkDir, step: int, rank: int, world_s
     if rank == 0:
         files = [_rng_file(r) for r in range(world_size)]
         state = TrainerState(step=step, tag=tag, world_size=world_size, zero_stage=stage, rng_files=files)
-        rank_files.commit_checkpoint(
-            work, rank_files.next_trainer_state(rank_files.read_trainer_state(work), state)
-        )
+        commit_checkpoint(work, next_trainer_state(read_trainer_state(work), state))
         _test_exit_after_commit(work, step)
     dist.barrier()
 
@@ -268,19 +274,19 @@ def resume(
 ) -> int:
     """Load the checkpoint ``trainer_state.json`` names, if any; the step it was taken after (0: fresh).
     ``recorded``: the last step the coordinator recorded; a checkpoint past it is gone back from
-    (`rank_files.resume_point`), and rank 0 names the one resumed from the trusted one. All ranks call it."""
+    (`checkpoints.resume_point`), and rank 0 names the one resumed from the trusted one. All ranks call it."""
     import torch.distributed as dist
 
-    trusted = rank_files.read_trainer_state(work)
+    trusted = read_trainer_state(work)
     if trusted is None:
         return 0
-    state, why = rank_files.resume_point(trusted, recorded)
+    state, why = resume_point(trusted, recorded)
     if why is not None and rank == 0:
         log.warning("%s", why)
     if state is not trusted:
         dist.barrier()  # every rank has read the trusted state
         if rank == 0:
-            rank_files.uncommit_checkpoint(work, state)
+            uncommit_checkpoint(work, state)
     if state is None:
         return 0
     if (state.world_size, state.zero_stage) != (world_size, stage):
