@@ -231,3 +231,11 @@ def node_address(node: str) -> str | None:
     except SlurmError:
         return None
     return rec.get("NodeAddr") or None
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Expand a Slurm node list (``g[1-3],c1``) with ``scontrol show hostnames``."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()

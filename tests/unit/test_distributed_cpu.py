@@ -10,7 +10,7 @@ import textwrap
 
 from support import REPO
 
-from ajet_hpc.trainer.coordinator.rank_launcher import free_port
+from ajet_hpc.trainer.protocol.rank_env import free_port
 
 CHILD = textwrap.dedent(
     """

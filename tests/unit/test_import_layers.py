@@ -126,3 +126,27 @@ def test_no_import_cycles() -> None:
 def test_the_graph_sees_lazy_imports() -> None:
     # jobs.py imports the server's preemption module inside a function: the graph must see it
     assert "ajet_hpc.server.preemption" in import_graph()["ajet_hpc.launch.jobs"]
+
+
+TRAINER_SIDES = {  # the trainer's two processes, each importing only its own modules and the protocol
+    "ajet_hpc.trainer.coordinator": "ajet_hpc.trainer.ranks",
+    "ajet_hpc.trainer.ranks": "ajet_hpc.trainer.coordinator",
+}
+
+
+def test_the_trainer_s_coordinator_and_ranks_share_only_the_protocol() -> None:
+    # the coordinator runs in the server process, the ranks under torchrun/srun: what both need is protocol's
+    graph = import_graph()
+    crossing = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        for side, other in TRAINER_SIDES.items()
+        if (a == side or a.startswith(side + ".")) and (b == other or b.startswith(other + "."))
+    )
+    assert not crossing, f"the trainer's coordinator and ranks import each other: {crossing}"
+    protocol = [
+        (a, b) for a, targets in graph.items() if a.startswith("ajet_hpc.trainer.protocol") for b in targets
+    ]
+    upward = sorted((a, b) for a, b in protocol if any(b.startswith(side) for side in TRAINER_SIDES))
+    assert not upward, f"the trainer's protocol imports a side of it: {upward}"

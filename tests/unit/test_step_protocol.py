@@ -21,7 +21,6 @@ import pytest
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.storage.files import read_json, write_json_atomic
 from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
-from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_PID_VAR
 from ajet_hpc.trainer.protocol.batch_file import Batch, encode_batch, read_batch
 from ajet_hpc.trainer.protocol.checkpoints import (
     RESUME_LIMIT_VAR,
@@ -32,6 +31,7 @@ from ajet_hpc.trainer.protocol.checkpoints import (
     resume_point,
     uncommit_checkpoint,
 )
+from ajet_hpc.trainer.protocol.rank_env import PARENT_PID_VAR
 from ajet_hpc.trainer.protocol.step_result import Failed, StepResult, read_result, write_error, write_result
 from ajet_hpc.trainer.protocol.weight_handoff import DiskWeights, MemoryWeights, WeightHandoff
 from ajet_hpc.trainer.protocol.work_dir import WorkDir, step_name

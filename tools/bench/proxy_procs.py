@@ -23,7 +23,7 @@ for _path in (str(REPO), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from ajet_hpc.trainer.coordinator.rank_launcher import free_port  # noqa: E402
+from ajet_hpc.trainer.protocol.rank_env import free_port  # noqa: E402
 
 MODEL = "policy"  # the served model name, on both sides
 MAX_MODEL_LEN = 1024

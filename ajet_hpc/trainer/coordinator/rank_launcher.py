@@ -32,19 +32,10 @@ from pathlib import Path
 
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
 from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.slurm import slurmcli
+from ajet_hpc.trainer.protocol.rank_env import PARENT_HOST_VAR, PARENT_PID_VAR, free_port
 from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
 from ajet_hpc.trainer.protocol.work_dir import prepare_for_ranks
-from ajet_hpc.trainer.ranks.distributed import slurm_hostnames
-
-PARENT_PID_VAR = "AJET_TRAINER_PARENT_PID"
-PARENT_HOST_VAR = "AJET_TRAINER_PARENT_HOST"
-"""The starting process (the coordinator) and its host: rank 0 exits when that process is gone."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def worker_args(work_dir: Path, model_dir: Path, config: TrainerConfig) -> list[str]:
@@ -166,7 +157,7 @@ def start_ranks(
     environment.update(sync.rank_env())
     if len(ranks_per_node) > 1:
         nodelist = base.get("SLURM_JOB_NODELIST") or base.get("SLURM_NODELIST") or ""
-        hosts = hostfile_lines(slurm_hostnames(nodelist), ranks_per_node)
+        hosts = hostfile_lines(slurmcli.hostnames(nodelist), ranks_per_node)
         hostfile = work.root / "hostfile"
         hostfile.write_text("\n".join(hosts) + "\n")
         environment["SLURM_HOSTFILE"] = str(hostfile)

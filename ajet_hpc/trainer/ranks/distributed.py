@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
+
+from ajet_hpc.slurm import slurmcli
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,9 @@ class RankEnv:
         )
 
 
-def slurm_hostnames(nodelist: str) -> list[str]:
-    """Expand a Slurm node list (``g[1-3],c1``) with ``scontrol show hostnames``."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
-    ).stdout
-    return out.split()
-
-
-def rank_env(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = slurm_hostnames) -> RankEnv:
+def rank_env(
+    environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = slurmcli.hostnames
+) -> RankEnv:
     """The rank's layout: torchrun's variables when RANK is set, else srun's (SLURM_PROCID, SLURM_NTASKS,
     SLURM_LOCALID) with MASTER_ADDR from the first node of the step's (or job's) node list, unless
     MASTER_ADDR is set. MASTER_PORT must be set under srun (the launcher sets it)."""

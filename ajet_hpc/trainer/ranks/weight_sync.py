@@ -145,7 +145,7 @@ class WeightSender:
         )
 
     def _init_info(self, config: TrainerConfig, rank: int):
-        from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_HOST_VAR, free_port
+        from ajet_hpc.trainer.protocol.rank_env import PARENT_HOST_VAR, free_port
 
         workers = self.workers
         bucket = config.weight_sync_bucket_mb * 2**20

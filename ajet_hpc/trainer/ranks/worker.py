@@ -33,9 +33,9 @@ from ajet_hpc.config.placement import bind_rank_gpu
 from ajet_hpc.config.topology import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
-from ajet_hpc.trainer.coordinator.rank_launcher import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.protocol.batch_file import Batch, read_batch
 from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, read_trainer_state
+from ajet_hpc.trainer.protocol.rank_env import PARENT_HOST_VAR, PARENT_PID_VAR
 from ajet_hpc.trainer.protocol.step_result import StepResult, write_error, write_result
 from ajet_hpc.trainer.protocol.sync_channel import ENGINE_UP, wait_for_engine
 from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
