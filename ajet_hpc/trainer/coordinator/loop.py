@@ -20,13 +20,10 @@ import asyncio
 import functools
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
@@ -41,9 +38,6 @@ from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.collector import (
     Batch,
     BatchCollector,
-    reward_by_group,
-    reward_stats,
-    staleness_histogram,
 )
 from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples, gc_paused
 from ajet_hpc.trainer.coordinator.experiment_trackers import step_histograms
@@ -51,6 +45,7 @@ from ajet_hpc.trainer.coordinator.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
 from ajet_hpc.trainer.coordinator.recovery import load_episodes, stored_summaries, unconsumed
+from ajet_hpc.trainer.coordinator.step_record import InFlight, Prepared, step_row
 from ajet_hpc.trainer.protocol.batch_file import encode_batch
 from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, read_trainer_state
 from ajet_hpc.trainer.protocol.step_result import StepResult
@@ -93,7 +88,7 @@ class Coordinator:
         self._prestarted = False  # self.process was started by prestart, while the engine loaded
         self.channel: TrainerChannel | None = None
         self.step = 0
-        self._in_flight: _InFlight | None = None  # the step the ranks are training, until it is recorded
+        self._in_flight: InFlight | None = None  # the step the ranks are training, until it is recorded
         self._ahead: asyncio.Task | None = None  # preparing the next step's batch while the ranks train
         self._ranks_idle_since = 0.0  # monotonic: the ranks' last result (or start): they wait from then
         self._recorded_step = 0  # the last step recorded (metrics row, store) since the ranks started
@@ -424,7 +419,7 @@ class Coordinator:
         ``max_staleness: 0`` they must come from the policy the running step makes: no overlap."""
         return self.config.max_staleness > 0
 
-    async def _take_prepared(self, retry: Batch | None) -> _Prepared | None:
+    async def _take_prepared(self, retry: Batch | None) -> Prepared | None:
         """The next step's prepared batch: ``retry`` (a failed step's batch) built again, the batch prepared
         while the last step trained, or a new one; None when no batch can come any more."""
         step = self.step + 1
@@ -438,7 +433,7 @@ class Coordinator:
             self.collector.put_back(prepared.batch)  # prepared for another step (ranks restarted)
         return await self._prepare(step)
 
-    async def _prepare(self, step: int, batch: Batch | None = None) -> _Prepared | None:
+    async def _prepare(self, step: int, batch: Batch | None = None) -> Prepared | None:
         """Collect step ``step``'s batch (unless given), build its samples (credit, merging, packing) and
         encode its batch file, in a worker thread: the event loop goes on serving. Nothing is consumed:
         the journal line and the batch file come with `_train_prepared`. None: no batch can come any more.
@@ -458,7 +453,7 @@ class Coordinator:
             raise
         built = time.monotonic()
         work = [(taken - batch.collect_s, taken), (taken, built)]  # collecting, then building
-        return _Prepared(step, batch, samples, merging, encoded, save, work, taken, built)
+        return Prepared(step, batch, samples, merging, encoded, save, work, taken, built)
 
     def _build(self, step: int, batch: Batch, save: bool) -> tuple[list[Sample], MergeStats, bytes]:
         """(In a worker thread.) The batch's samples, what merging did, and the batch file's bytes; without
@@ -479,7 +474,7 @@ class Coordinator:
         if prepared is not None:
             self.collector.put_back(prepared.batch)
 
-    async def _train_prepared(self, channel: TrainerChannel, prepared: _Prepared) -> bool:
+    async def _train_prepared(self, channel: TrainerChannel, prepared: Prepared) -> bool:
         """Consume a prepared batch (journal line, fsynced, then the batch file), start preparing the next
         one when staleness allows, wait for the result, sync the weights, record the step."""
         batch, samples, step = prepared.batch, prepared.samples, prepared.step
@@ -499,7 +494,7 @@ class Coordinator:
         if on_policy:
             self.host.admission.clear()  # strictly on-policy: no new episode while the weights change
         try:
-            in_flight = self._in_flight = _InFlight(prepared, started)
+            in_flight = self._in_flight = InFlight(prepared, started)
             colocated = self.placement.mode == "colocate"
             sleep_s = await self.host.engine.sleep() if colocated else 0.0  # the ranks need the GPUs
             trained_ids = list(dict.fromkeys(e.episode_id for e in batch.episodes))
@@ -589,7 +584,7 @@ class Coordinator:
 
     def _record(
         self,
-        prepared: _Prepared,
+        prepared: Prepared,
         result: StepResult,
         step_s: float,
         sync_s: float,
@@ -600,46 +595,8 @@ class Coordinator:
             return
         self._recorded_step = self.step
         batch, samples, merging = prepared.batch, prepared.samples, prepared.merging
-        mean, std = reward_stats(batch)
-        lag = [self.step - 1 - sample.policy_version for sample in samples]
-        row: dict[str, Any] = {
-            "step": self.step,
-            "model": self.server.name,
-            "reward_mean": mean,
-            "reward_std": std,
-            "loss": result.loss,
-            "kl": result.kl,
-            "entropy": result.entropy,
-            "clip_frac": result.clip_frac,
-            "grad_norm": result.grad_norm,
-            "tokens": result.tokens,
-            "samples": len(samples),
-            **merging.metrics(),
-            "episodes": len(batch.episodes),
-            "step_time_s": round(step_s, 4),
-            "train_time_s": result.step_time_s,
-            "weight_sync_s": round(sync_s, 4),
-            "coordinator_s": round(prepared.work_s(), 4),
-            "coordinator_critical_s": round(prepared.work_s(after=prepared.ranks_idle_since), 4),
-            "eval_wait_s": round(prepared.eval_wait_s, 4),
-            "prepared_ahead": prepared.built < prepared.ranks_idle_since,
-            "weight_sync": result.weights.kind,
-            "weight_sync_bytes": result.weights.bytes if isinstance(result.weights, MemoryWeights) else None,
-            **(engine_s or dict.fromkeys(("engine_pause_s", "engine_sleep_s", "engine_wake_s"))),
-            "policy_version": self.step,
-            "staleness": statistics.fmean(lag) if lag else 0.0,
-            "staleness_hist": staleness_histogram(batch.episodes, self.step - 1),
-            **result.off_policy,
-            "skipped_equal_groups": batch.skipped_equal,
-            "client_groups": batch.tasks_per_client_group(),
-            "reward_by_group": reward_by_group(batch),
-            "mix_shortfall": batch.shortfall,
-            "dropped_stale": batch.dropped_stale,
-            "dropped_incomplete": batch.dropped_incomplete,
-            "dropped_invalid": batch.dropped_invalid,  # could not be built: ids and reasons in the log
-            "recovered_episodes": batch.recovered,
-            "time": time.time(),
-        }
+        row = step_row(self.server.name, self.step, prepared, result, step_s, sync_s, engine_s)
+        mean, std = row["reward_mean"], row["reward_std"]
         metrics.append_row(self.metrics_path, row)
         self.last_step_at = row["time"]
         if self.trackers is not None:
@@ -695,39 +652,6 @@ def _discard_batches(work: WorkDir) -> None:
     that never comes."""
     for step in work.pending_steps():
         work.batch_file(step).unlink(missing_ok=True)
-
-
-@dataclass
-class _Prepared:
-    """A batch made ready for step ``step``: its samples, what merging did, its batch file's bytes, and
-    the coordinator's work on it so far as (start, end) times (``time.monotonic``)."""
-
-    step: int
-    batch: Batch
-    samples: list[Sample]
-    merging: MergeStats
-    encoded: bytes
-    save: bool
-    work: list[tuple[float, float]]
-    taken: float  # when the collector gave the batch
-    built: float  # when the build was over
-    ranks_idle_since: float = 0.0  # set when it goes to the ranks: when their previous step ended
-    eval_wait_s: float = 0.0  # how long it waited for eval rounds before going to the ranks
-
-    def work_s(self, after: float = 0.0) -> float:
-        """Seconds of work, counting only what was done after ``after``."""
-        return sum(max(0.0, end - max(start, after)) for start, end in self.work)
-
-
-@dataclass
-class _InFlight:
-    prepared: _Prepared
-    started: float
-    submitted: bool = False  # the batch file is in the ranks' inbox
-
-    @property
-    def step(self) -> int:
-        return self.prepared.step
 
 
 def _round(value) -> float | None:
