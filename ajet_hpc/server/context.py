@@ -65,7 +65,7 @@ class ServerStore(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)  # one per job: compared and hashed by identity
 class JobContext:
     """What the models of one server job share: the engine (started and stopped once, by the app), the
     run's secret, the Slurm job, and whether the engine was lost (the watchdog saves and requeues once for
