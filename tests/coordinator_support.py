@@ -16,7 +16,7 @@ from ajet_hpc.config.topology import server_placement
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.transformers_engine import TransformersEngine
 from ajet_hpc.engine.vllm_engine import VllmEngine
-from ajet_hpc.server.app import ServerContext
+from ajet_hpc.server.context import JobContext, ModelContext
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.storage.rundir import RunDir
@@ -45,7 +45,7 @@ def finished(tokenizer: PreTrainedTokenizerBase, task: str, repeat: int, version
 def coordinator_for(
     tmp_path: Path, engine: Engine, rank_env: Mapping[str, str] | None = None, **trainer: object
 ) -> Coordinator:
-    """A coordinator of server ``policy`` hosted by a `ServerContext` over ``engine`` and its server store,
+    """A coordinator of server ``policy`` hosted by a `ModelContext` over ``engine`` and its server store,
     its run folder ``tmp_path/run``, its weight sync decided as the server decides it; ``rank_env``: the
     ranks' environment (None: this process's)."""
     data = topology_dict(tmp_path / "run")
@@ -61,11 +61,10 @@ def coordinator_for(
     server = load_topology(data).servers[0]
     run = RunDir(tmp_path / "run")
     run.data_dir.mkdir(parents=True, exist_ok=True)
-    ctx = ServerContext(
+    ctx = ModelContext(
         name="policy",
-        engine=engine,
+        job=JobContext(engine=engine, secret=SECRET),
         settings=ServingConfig(max_model_len=1024),
-        secret=SECRET,
         recorder=EpisodeRecorder(run.server_store("policy")),
     )
     assert isinstance(engine, VllmEngine | TransformersEngine), engine
@@ -88,5 +87,5 @@ def coordinator_for(
 def close_store(coordinator: Coordinator) -> None:
     """Close the server store of ``coordinator``'s host, as the server does when it stops
     (``server.app.running``): a next server process on the same run opens it again."""
-    assert isinstance(coordinator.host, ServerContext)
+    assert isinstance(coordinator.host, ModelContext)
     coordinator.host.recorder.close()

@@ -19,7 +19,8 @@ import uvicorn
 from ajet_hpc.client.handshake import fetch_run_token
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import EngineKind, create_engine
-from ajet_hpc.server.app import ServerContext, create_app
+from ajet_hpc.server.app import create_app
+from ajet_hpc.server.context import JobContext, ModelContext
 from ajet_hpc.server.process import uvicorn_config
 from ajet_hpc.server.recorder import EpisodeRecorder
 
@@ -29,7 +30,7 @@ SECRET = "5e" * 32
 @dataclasses.dataclass
 class RunningServer:
     url: str
-    ctx: ServerContext
+    ctx: ModelContext
     server: uvicorn.Server
 
     @property
@@ -85,11 +86,10 @@ class Harness:
         server store's file (default: a new one in the harness's temporary folder), closed with the server."""
         base = {"max_model_len": self.engine.max_model_len, "max_tokens": 64}
         recorder = EpisodeRecorder(store or self.stores / f"{name}-{len(self.servers)}.h5")
-        ctx = ServerContext(
+        ctx = ModelContext(
             name=name,
-            engine=self.engine,
+            job=JobContext(engine=self.engine, secret=SECRET),
             settings=ServingConfig(**{**base, **settings}),
-            secret=SECRET,
             recorder=recorder,
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -5,7 +5,7 @@ A `SharedModel` is an `ajet_hpc.engine.base.Engine` to everything above it (the 
 the coordinator): it has its own policy version, and its ``load_weights`` replaces only its adapter
 (`VllmEngine.load_adapter`: pause, in-place ``add_lora``, prefix-cache reset, version tag). Every request
 it generates names its adapter. Starting and stopping belong to the shared engine, which the server's
-application starts once for all its models (``ajet_hpc.server.app.SwarmApp``).
+application starts once for all its models (``ajet_hpc.server.app.ServerApp``).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def _serving(run: RunDir, topology: Topology, config) -> Iterator[None]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     job = environment.current()
-    ctx = assemble(run, topology, config, Job(job, public_url=f"http://127.0.0.1:{port}"))
+    _, (ctx,) = assemble(run, topology, config, Job(job, public_url=f"http://127.0.0.1:{port}"))
     server = uvicorn_server(create_app(ctx), config)
     record = rendezvous.Rendezvous(
         name=ctx.name,
@@ -146,7 +146,7 @@ def _serving(run: RunDir, topology: Topology, config) -> Iterator[None]:
         pid=os.getpid(),
         job_id=job.job_id,
         node=job.node,
-        started_at=ctx.started_at,
+        started_at=ctx.job.started_at,
     )
     heartbeat = Heartbeat(run.rendezvous_file(ctx.name), record, server, ctx)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="eval-server", daemon=True)

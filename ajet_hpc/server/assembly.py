@@ -1,7 +1,8 @@
-"""Assembling a server process before it serves: from its topology entry to an engine, a `ServerContext`
-with its episode store, and its trainer (a `Coordinator` with a `TrainerSetup`), all decided here once.
+"""Assembling a server job before it serves: from its topology entry to an engine and the models it hosts,
+each a `ModelContext` with its episode store and its trainer (a `Coordinator` with a `TrainerSetup`), all
+decided here once, by one assembly for a plain server and a server with adapters alike.
 
-``server.process.serve`` binds the port, calls `assemble`, then runs and tears down; nothing is set on the
+``server.process.serve`` binds the port, calls `assemble`, then runs and tears down; nothing is set on a
 context or the coordinator after this returns except the server's lifecycle callbacks (``on_finished``,
 ``on_failed``). The weight-sync decision (`sync_plan.decide`) is taken here, from the trainer config, the
 placement and the engine kind, and goes to the engine's settings and to the trainer.
@@ -36,7 +37,8 @@ from ajet_hpc.engine.select import create_engine, resolve_kind
 from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.transformers_engine import job_cpus
 from ajet_hpc.engine.vllm_engine import BARE_BASE, VllmEngine
-from ajet_hpc.server.app import ServerContext
+from ajet_hpc.server.app import MODEL_PREFIX
+from ajet_hpc.server.context import JobContext, ModelContext
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.slurm.environment import JobEnvironment
 from ajet_hpc.storage import rendezvous, task_ends
@@ -59,51 +61,65 @@ class Job:
     public_url: str
 
 
-def assemble(run: RunDir, topology: Topology, config: ServerConfig, job: Job) -> ServerContext:
-    """The server's context, its engine built (not started), its store open and its trainer attached.
+def assemble(
+    run: RunDir, topology: Topology, config: ServerConfig, job: Job
+) -> tuple[Engine, list[ModelContext]]:
+    """The server job's engine, built (not started), and one context per model it hosts, each with its
+    store open and its trainer attached: a plain server is one model at the job's URL; a server with
+    adapters (``servers[].adapters``) has one per model, at ``<url>/m/<name>``, each seeing the one vLLM
+    engine through a `SharedModel`.
 
     Shows the engine only its GPUs (this process's ``CUDA_VISIBLE_DEVICES``) and keeps the job step's
     environment as it was for the trainer's ranks."""
     parts, kind = _job_parts(run, topology, config, job)
-    sync = decide(config.trainer, parts.placement, kind)
-    settings = engine_settings(config, parts.placement, kind, sync)
-    settings.update(lora_settings(config, parts.model_path, kind))
-    engine = create_engine(kind, parts.model_path, **settings)
-    return model_context(parts, config, engine, sync, job.public_url)
+    models = config.models()
+    engine, views = _engine(parts, kind, config)
+    context = JobContext(engine=engine, secret=run.read_secret(), job_id=job.environment.job_id)
+    contexts = []
+    for model in models:
+        own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
+        url = job.public_url if len(models) == 1 else f"{job.public_url}{MODEL_PREFIX}{model.name}"
+        sync = decide(model.trainer, own.placement, kind)
+        contexts.append(model_context(own, model, context, views.get(model.name), sync, url))
+    return engine, contexts
 
 
-def assemble_shared(
-    run: RunDir, topology: Topology, host: ServerConfig, job: Job
-) -> tuple[VllmEngine, list[ServerContext]]:
-    """A server with adapters (``servers[].adapters``): one vLLM engine serving every model of it (each
-    LoRA model's version-0 adapter written here), and one context per model, at ``<url>/m/<name>``, each
-    with its own store and trainer over a `SharedModel` of the engine."""
-    parts, kind = _job_parts(run, topology, host, job)
+def _engine(
+    parts: _Parts, kind: Literal["vllm", "transformers"], config: ServerConfig
+) -> tuple[Engine, dict[str, Engine]]:
+    """The job's engine, and the view of it each model of a server with adapters sees (a plain server's
+    one model sees the engine itself). A plain server's engine takes its model's weight-sync backend and,
+    with ``trainer.lora``, serves that adapter; a server with adapters serves every adapter (each LoRA
+    model's version-0 adapter written here, each frozen one from its folder) and the bare base."""
+    if not config.adapters:
+        sync = decide(config.trainer, parts.placement, kind)
+        settings = engine_settings(config, parts.placement, kind, sync)
+        settings.update(lora_settings(config, parts.model_path, kind))
+        return create_engine(kind, parts.model_path, **settings), {}
     if kind != "vllm":
-        raise SystemExit(f"server {host.name} has adapters: it needs the vllm engine, which is not installed")
-    settings = engine_settings(host, parts.placement, kind, decide(None, parts.placement, kind))
+        raise SystemExit(
+            f"server {config.name} has adapters: it needs the vllm engine, which is not installed"
+        )
+    settings = engine_settings(config, parts.placement, kind, decide(None, parts.placement, kind))
     trained = {
         name: str(write_initial_adapter(parts.model_path, lora, _node_local(f"ajet-{name}-lora-v0-")))
-        for name, lora in host.lora_models()
+        for name, lora in config.lora_models()
     }
-    frozen = {name: str(Path(folder).expanduser().resolve()) for name, folder in host.frozen_adapters()}
-    limit = lora_rank_limit(host, [adapter_rank(Path(folder)) for folder in frozen.values()])
+    frozen = {name: str(Path(folder).expanduser().resolve()) for name, folder in config.frozen_adapters()}
+    limit = lora_rank_limit(config, [adapter_rank(Path(folder)) for folder in frozen.values()])
     adapters = {**trained, **frozen}
-    settings.update(lora_adapters=tuple(adapters.items()), max_loras=lora_slots(host), max_lora_rank=limit)
+    settings.update(lora_adapters=tuple(adapters.items()), max_loras=lora_slots(config), max_lora_rank=limit)
     engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
-    contexts = []
-    for model in host.models():
+    views: dict[str, Engine] = {}
+    for model in config.models():
         what = f"the frozen adapter {frozen[model.name]}" if model.name in frozen else "the bare base"
         what = "a LoRA adapter" if model.name in trained else what
         log.info(
-            "model %s: %s of %s (%s)", model.name, what, host.model, "trains" if model.trainer else "serves"
+            "model %s: %s of %s (%s)", model.name, what, config.model, "trains" if model.trainer else "serves"
         )
-        served = SharedModel(engine, model.name if model.name in adapters else BARE_BASE)
-        own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
-        sync = decide(model.trainer, own.placement, kind)
-        contexts.append(model_context(own, model, served, sync, f"{job.public_url}/m/{model.name}"))
-    return engine, contexts
+        views[model.name] = SharedModel(engine, model.name if model.name in adapters else BARE_BASE)
+    return engine, views
 
 
 def _job_parts(
@@ -132,20 +148,19 @@ class _Parts:
 
 
 def model_context(
-    parts: _Parts, config: ServerConfig, engine: Engine, sync: SyncPlan, url: str
-) -> ServerContext:
+    parts: _Parts,
+    config: ServerConfig,
+    job: JobContext,
+    view: Engine | None,
+    sync: SyncPlan,
+    url: str,
+) -> ModelContext:
     """One model's context: its store open, its ended episodes restored, its trainer attached."""
     run, topology = parts.run, parts.topology
     # group commit: episodes ending together share one fsync (docs/storage.md)
     recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
-    ctx = ServerContext(
-        name=config.name,
-        engine=engine,
-        settings=config.serving,
-        secret=run.read_secret(),
-        recorder=recorder,
-        job_id=parts.job.environment.job_id,
-        public_url=url,
+    ctx = ModelContext(
+        name=config.name, job=job, settings=config.serving, recorder=recorder, view=view, public_url=url
     )
     stored = stored_summaries(recorder.path)  # read once the writer holds the store's lease
     restored = ctx.episodes.restore_ended(stored)
@@ -154,6 +169,7 @@ def model_context(
     ctx.eval_configs = eval_configs(topology, config.name)
     if config.trainer is not None:
         ctx.evaluation = eval_rounds(ctx, topology, config, run)
+        engine = ctx.engine
         setup = TrainerSetup(
             server=config,
             model_path=parts.model_path,
@@ -192,7 +208,7 @@ def eval_configs(topology: Topology, model: str) -> dict[str, EvalConfig]:
 
 
 def eval_rounds(
-    ctx: ServerContext, topology: Topology, config: ServerConfig, run: RunDir
+    ctx: ModelContext, topology: Topology, config: ServerConfig, run: RunDir
 ) -> EvalRounds | None:
     """The eval rounds that follow ``config``'s steps (`trainer.coordinator.evaluation`), None when no
     group's eval block names this model."""

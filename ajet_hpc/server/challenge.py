@@ -21,5 +21,5 @@ async def challenge(request: Request, c: str = Query(default="", max_length=128)
         raise BadRequest(str(exc), param="c", code="invalid_value") from exc
     if not ctx.public_url:  # the proof names the URL clients reach; never the Host header a relay chose
         raise Unavailable("the server does not know its public URL yet: try again", code="not_ready")
-    server_nonce, proof = mint_challenge(ctx.secret, c, ctx.public_url)
+    server_nonce, proof = mint_challenge(ctx.job.secret, c, ctx.public_url)
     return {"s": server_nonce, "proof": proof, "url": ctx.public_url, "ttl_s": RUN_TOKEN_TTL_S}

@@ -29,7 +29,7 @@ def _ctx_authorized(request: Request):
     ctx = request.app.state.ctx
     scope = request.scope
     header = scope[AUTHORIZATION] if AUTHORIZATION in scope else request.headers.get("authorization")
-    authorize_run_call(ctx.secret, header)
+    authorize_run_call(ctx.job.secret, header)
     return ctx
 
 

@@ -97,7 +97,7 @@ class RequestGate:
         scope[AUTHORIZATION] = authorization  # the routes read it here (no second parse of the headers)
         ctx, limit = self.ctx, self.ctx.settings.max_request_bytes
         try:
-            check_credentials(scope["path"], authorization, ctx.secret, ctx.name)
+            check_credentials(scope["path"], authorization, ctx.job.secret, ctx.name)
         except AuthError as exc:
             kind = "authentication_error" if exc.status_code == 401 else "permission_error"
             drained = await _discard_body(receive, declared, limit)

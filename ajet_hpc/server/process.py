@@ -23,14 +23,15 @@ import uvicorn
 from ajet_hpc.config import ServerConfig, ServingConfig, Topology
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.server import deadline, preemption
-from ajet_hpc.server.app import ServerContext, SwarmApp, create_app
-from ajet_hpc.server.assembly import Job, assemble, assemble_shared
+from ajet_hpc.server.app import create_app
+from ajet_hpc.server.assembly import Job, assemble
 from ajet_hpc.server.connections import (
     connection_bound,
     guarded_protocol,
     quiet_accept_errors,
     raise_descriptor_limit,
 )
+from ajet_hpc.server.context import ModelContext, ModelState
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.rundir import RunDir
@@ -101,7 +102,7 @@ class Heartbeat(threading.Thread):
     LOG_EVERY_S = 60.0  # while writes keep failing, one warning per this many seconds
 
     def __init__(
-        self, path, record: rendezvous.Rendezvous, server: uvicorn.Server, ctx: ServerContext
+        self, path, record: rendezvous.Rendezvous, server: uvicorn.Server, ctx: ModelContext
     ) -> None:
         super().__init__(name="rendezvous-heartbeat", daemon=True)
         self.path, self.record, self.server, self.ctx = path, record, server, ctx
@@ -181,7 +182,7 @@ class Heartbeat(threading.Thread):
         self.join(timeout=5)
 
 
-def _stop_when_idle(contexts: list[ServerContext], server: uvicorn.Server, grace_s: float = 60.0) -> None:
+def _stop_when_idle(contexts: list[ModelContext], server: uvicorn.Server, grace_s: float = 60.0) -> None:
     """Once training is complete (or failed): let open episodes end (at most ``grace_s``), then stop
     serving."""
 
@@ -211,12 +212,16 @@ def _saving_on_sigterm(handle_exit):
     return handle
 
 
-def _save_on_signal(contexts: list[ServerContext], budget_s: float) -> None:
+def _save_on_signal(contexts: list[ModelContext], budget_s: float) -> None:
     """The server's part of the save when its job goes down (see ``preemption``): every model's trainer
     is asked to save at once (their ranks save in parallel), then every store flushes."""
     started = time.monotonic()
     try:
-        training = [c.coordinator for c in contexts if c.coordinator is not None and not c.training_done]
+        training = [
+            c.coordinator
+            for c in contexts
+            if c.coordinator is not None and c.state is not ModelState.FINISHED
+        ]
         if len(training) == 1:
             training[0].save_on_signal(budget_s)
         elif training:
@@ -267,13 +272,8 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     )
     scheme = "https" if config.serving.tls_certfile else "http"  # TLS: docs/security.md
     where = Job(job, public_url=f"{scheme}://{host}:{port}")
-    if config.adapters:  # several models on one engine, each under /m/<name> (docs/lora.md)
-        engine, contexts = assemble_shared(run, topology, config, where)
-        app: Any = SwarmApp(engine, contexts, freeze_heap=True)
-    else:
-        contexts = [assemble(run, topology, config, where)]
-        app = create_app(contexts[0], freeze_heap=True)
-    server = uvicorn_server(app, config)
+    _, contexts = assemble(run, topology, config, where)  # several models: each under /m/<name>
+    server = uvicorn_server(create_app(contexts, freeze_heap=True), config)
     heartbeats = []
     for ctx in contexts:
         record = rendezvous.Rendezvous(
@@ -284,7 +284,7 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
             pid=os.getpid(),
             job_id=job.job_id,
             node=job.node,
-            started_at=ctx.started_at,
+            started_at=ctx.job.started_at,
         )
         heartbeats.append(Heartbeat(run.rendezvous_file(ctx.name), record, server, ctx))
     _stop_when_over(contexts, server, heartbeats)
@@ -348,24 +348,20 @@ def uvicorn_config(app: Any, serving: ServingConfig) -> uvicorn.Config:
 
 
 def _stop_when_over(
-    contexts: list[ServerContext], server: uvicorn.Server, heartbeats: list[Heartbeat]
+    contexts: list[ModelContext], server: uvicorn.Server, heartbeats: list[Heartbeat]
 ) -> None:
     """Once a model's training is complete, or it failed: say so in its rendezvous; once every trained
     model of the server is over, stop serving (a model that only serves finishes with them)."""
-
-    def over(ctx: ServerContext) -> bool:
-        return ctx.failed or ctx.training_done
 
     trained = [ctx for ctx in contexts if ctx.coordinator is not None] or contexts
 
     def on_over(heartbeat: Heartbeat, grace_s: float) -> None:
         heartbeat.try_beat()
-        if not all(over(ctx) for ctx in trained):
+        if not all(ctx.over for ctx in trained):
             return
         for ctx, other in zip(contexts, heartbeats, strict=True):
-            if not over(ctx):  # a model that only serves beside the trained ones
-                ctx.reason = ctx.reason or "the models trained beside it are done"
-                ctx.training_done = True
+            if not ctx.over:  # a model that only serves beside the trained ones
+                ctx.finish_serving("the models trained beside it are done")
                 other.try_beat()
         failed = any(ctx.failed for ctx in contexts)
         preemption.work_over("the server failed" if failed else "training is complete")
@@ -380,7 +376,7 @@ def _watch_deadline(
     job: environment.JobEnvironment,
     signal_delay_s: float,
     server: uvicorn.Server,
-    contexts: list[ServerContext],
+    contexts: list[ModelContext],
 ) -> deadline.DeadlineWatch | None:
     """On Slurm: save and stop ``signal_delay_s`` before the job's time limit, should Slurm's own signal
     not come (``deadline``)."""
@@ -391,16 +387,16 @@ def _watch_deadline(
         end_time=lambda: deadline.job_end_time(job.job_id),
         fire=preemption.signal_deadline,
         ready=lambda: server.started,
-        finished=lambda: all(c.training_done or c.failed for c in contexts) or server.should_exit,
+        finished=lambda: all(c.over for c in contexts) or server.should_exit,
     )
     watch.start()
     return watch
 
 
-def _leave(ctx: ServerContext, rendezvous_file: Path, heartbeat: Heartbeat) -> None:
+def _leave(ctx: ModelContext, rendezvous_file: Path, heartbeat: Heartbeat) -> None:
     """A server whose work is over leaves its rendezvous in place, state final (clients then stop instead
     of waiting); a server stopped before that (the job going down, to be requeued) withdraws it."""
-    if ctx.failed or ctx.training_done:
+    if ctx.over:
         heartbeat.final_beat()
         if ctx.failed:
             log.error("server %s failed: %s", ctx.name, ctx.reason)

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.auth import AuthError, authorize_episode_call, authorize_run_call, issue_episode_token
+from ajet_hpc.server.context import ModelState
 from ajet_hpc.server.episodes import Episode
 from ajet_hpc.server.errors import BadRequest, Conflict, Unavailable
 from ajet_hpc.server.eval_routes import eval_begin, with_sampling
@@ -49,7 +50,7 @@ async def health(request: Request) -> JSONResponse:
         {
             "status": "ok",
             "server": ctx.name,
-            "job_id": ctx.job_id,
+            "job_id": ctx.job.job_id,
             "state": ctx.state,
             "reason": ctx.reason,
             "step": ctx.step,
@@ -61,7 +62,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/v1/status")
 async def status(request: Request) -> p.ServerStatus:
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     counts = ctx.episodes.counts
     return p.ServerStatus(
         server=ctx.name,
@@ -85,14 +86,14 @@ async def status(request: Request) -> p.ServerStatus:
 @router.post("/v1/episodes")
 async def begin(request: Request, body: p.BeginEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     await ctx.admission.wait()  # a strictly on-policy trainer is stepping
-    if ctx.training_done:
+    if ctx.state is ModelState.FINISHED:
         raise Conflict(f"training of {ctx.name} is finished: no new episodes", code="training_finished")
     sampling = eval_begin(ctx, body)  # an eval group's episode: in the open round, sampled as it says
     episode = ctx.episodes.begin(body.task_id, body.group, body.metadata, body.repeat)
     episode.sampling = sampling
-    token = issue_episode_token(ctx.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
+    token = issue_episode_token(ctx.job.secret, episode.episode_id, ctx.name, ctx.settings.token_ttl_s)
     base = ctx.public_url or str(request.base_url).rstrip("/")
     return _json(
         p.BeginEpisodeResponse(
@@ -111,7 +112,7 @@ async def ended(request: Request, group: str) -> p.EndedEpisodes:
     """The keys of ``group`` this server ended, with their recorded results: a resuming client commits
     them instead of running them again."""
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     unwritten = ctx.recorder.unwritten_ids()
     return p.EndedEpisodes(
         group=group,
@@ -132,7 +133,7 @@ async def ended(request: Request, group: str) -> p.EndedEpisodes:
 @router.get("/v1/episodes/{episode_id}")
 async def show(request: Request, episode_id: str, timelines: bool = False):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     episode = ctx.episodes.lookup(episode_id)
     out = episode.summary().model_dump()
     if timelines:
@@ -143,7 +144,7 @@ async def show(request: Request, episode_id: str, timelines: bool = False):
 @router.post("/v1/episodes/{episode_id}/end")
 async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     beyond = body.beyond_limit(ctx.settings.max_abs_reward)  # before anything is recorded
     if beyond is not None:
         raise BadRequest(beyond[1], param=beyond[0], code="reward_out_of_range")
@@ -165,13 +166,13 @@ async def end(request: Request, episode_id: str, body: p.EndEpisodeRequest):
 @router.post("/v1/episodes/{episode_id}/abort")
 async def abort(request: Request, episode_id: str, body: p.AbortEpisodeRequest):
     ctx = _ctx(request)
-    authorize_run_call(ctx.secret, _authorization(request))
+    authorize_run_call(ctx.job.secret, _authorization(request))
     return _json(ctx.episodes.abort(episode_id, body.reason).summary())
 
 
 def _episode(request: Request, episode_id: str | None):
     ctx = _ctx(request)
-    claims = authorize_episode_call(ctx.secret, _authorization(request), episode_id, ctx.name)
+    claims = authorize_episode_call(ctx.job.secret, _authorization(request), episode_id, ctx.name)
     return ctx, ctx.episodes.get_open(claims.episode_id)
 
 
@@ -276,8 +277,8 @@ async def episode_completions(request: Request, episode_id: str, body: p.Complet
 async def models(request: Request, episode_id: str | None = None) -> p.ModelList:
     ctx = _ctx(request)
     try:
-        authorize_run_call(ctx.secret, _authorization(request))
+        authorize_run_call(ctx.job.secret, _authorization(request))
     except AuthError:
-        authorize_episode_call(ctx.secret, _authorization(request), episode_id, ctx.name)
-    card = p.ModelCard(id=ctx.name, created=int(ctx.started_at), policy_version=ctx.engine.policy_version)
+        authorize_episode_call(ctx.job.secret, _authorization(request), episode_id, ctx.name)
+    card = p.ModelCard(id=ctx.name, created=int(ctx.job.started_at), policy_version=ctx.engine.policy_version)
     return p.ModelList(data=[card])

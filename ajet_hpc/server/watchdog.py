@@ -1,13 +1,13 @@
 """The watchdog of a server job: what the server does when a part of it dies.
 
 - **Trainer ranks** that fail a step are restarted from their last checkpoint by the coordinator, up to
-  ``trainer.max_restarts`` times in a row; then the coordinator calls ``ServerContext.fail``.
+  ``trainer.max_restarts`` times in a row; then the coordinator calls ``ModelContext.fail``.
 - **The engine** (vLLM's engine core process, killed or crashed) cannot be restarted inside the running
   process without losing the weights the trainer sent it. The watchdog notices the dead engine, checkpoints
   the trainer at its current step and flushes the episode store (the hooks a preemption runs), then
   requeues its own Slurm job: the job comes back with a fresh engine and resumes exactly there, like after
   a preemption; clients wait for it as for any requeue. Off Slurm (no requeue) the server fails instead.
-- **Failed** (``ServerContext.fail``): the rendezvous says ``failed`` with the reason, the server stops
+- **Failed** (``ModelContext.fail``): the rendezvous says ``failed`` with the reason, the server stops
   serving within seconds and the job exits non-zero without requeueing.
 
 docs/reliability.md, "Watchdog", says the same for users.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from typing import Any
 
 from ajet_hpc.server import preemption
@@ -26,7 +25,6 @@ from ajet_hpc.slurm import environment, slurmcli
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0
-_lost: weakref.WeakSet = weakref.WeakSet()  # engines that died: saved and requeued once, for all their models
 
 
 def engine_failure(engine: Any) -> str | None:
@@ -51,16 +49,16 @@ def requeue_own_job() -> str | None:
 def engine_died(ctx: Any, why: str) -> None:
     """Save what the dead engine would lose, then requeue this job (once; later calls do nothing).
 
-    Runs on the event loop's thread and blocks it, like the preemption hooks it runs: the trainer's ranks
-    are other processes and save meanwhile. A server with adapters has one engine for all its models: the
-    first of them to notice saves every model (the preemption hooks) and requeues; the others only stop."""
+    ``ctx`` is a `ModelContext` (``server.context``). Runs on the event loop's thread and blocks it, like
+    the preemption hooks it runs: the trainer's ranks are other processes and save meanwhile. A job with
+    several models has one engine for all of them: the first model to notice saves every model (the
+    preemption hooks) and requeues; the others only stop."""
     if ctx.engine_lost is not None or ctx.failed:
         return
     ctx.engine_lost = why
-    engine = getattr(ctx.engine, "shared", ctx.engine)  # a model of a shared engine: that engine
-    if engine in _lost:
+    if ctx.job.engine_lost is not None:  # another model of the job saved and requeued
         return
-    _lost.add(engine)
+    ctx.job.engine_lost = why
     log.error("the engine died (%s): checkpointing the trainer, then requeueing the job", why)
     if not preemption.checkpoint(f"the engine died ({why})", preemption.save_budget_s()):
         log.warning("a save was already taken in this job: the requeued job resumes from it")

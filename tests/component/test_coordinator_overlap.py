@@ -174,7 +174,8 @@ def test_ranks_started_with_the_engine_are_stopped_when_the_engine_fails_to_load
     the ranks started beside it are stopped, not left running on the node."""
     import shutil
 
-    from ajet_hpc.server.app import ServerContext, create_app
+    from ajet_hpc.server.app import create_app
+    from ajet_hpc.server.context import ModelContext
 
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model, broken)
@@ -182,12 +183,12 @@ def test_ranks_started_with_the_engine_are_stopped_when_the_engine_fails_to_load
     weights.write_bytes(weights.read_bytes()[:100])
     engine = create_engine("transformers", broken, max_model_len=1024)
     coordinator = coordinator_for(tmp_path, engine, total_steps=1)
-    assert isinstance(coordinator.host, ServerContext)
+    assert isinstance(coordinator.host, ModelContext)
     coordinator.host.attach_trainer(coordinator)
     app = create_app(coordinator.host)
 
     async def start() -> None:
-        async with app.router.lifespan_context(app):
+        async with app.lifespan():
             raise AssertionError("the server started with an engine that cannot load")
 
     with pytest.raises(Exception, match=r"(?i)safetensors|header|deserializ|file"):

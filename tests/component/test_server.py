@@ -361,19 +361,20 @@ _HEAP_PROBE = """
 import asyncio, gc, sys
 from ajet_hpc.config import ServingConfig
 from ajet_hpc.engine.select import create_engine
-from ajet_hpc.server.app import ServerContext, create_app
+from ajet_hpc.server.app import create_app
+from ajet_hpc.server.context import JobContext, ModelContext
 from ajet_hpc.server.recorder import EpisodeRecorder
 
 engine = create_engine("transformers", sys.argv[1], max_model_len=256)
 recorder = EpisodeRecorder(sys.argv[3])
-ctx = ServerContext(
-    name="policy", engine=engine, settings=ServingConfig(), secret="5e" * 32, recorder=recorder
+ctx = ModelContext(
+    name="policy", job=JobContext(engine, "5e" * 32), settings=ServingConfig(), recorder=recorder
 )
 app = create_app(ctx, manage_engine=False, freeze_heap=sys.argv[2] == "freeze")
 
 async def main():
     before = gc.get_freeze_count()
-    async with app.router.lifespan_context(app):
+    async with app.lifespan():
         aging = any(task.get_name() == "heap-ager" for task in asyncio.all_tasks())
         print(before, gc.get_freeze_count(), aging)
 

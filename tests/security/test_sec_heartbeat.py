@@ -19,7 +19,7 @@ import uvicorn
 from support import fill_disk, tmpfs, wait_until
 
 from ajet_hpc.server import process
-from ajet_hpc.server.app import ServerContext
+from ajet_hpc.server.context import ModelContext
 from ajet_hpc.storage import rendezvous
 
 
@@ -39,7 +39,7 @@ def _heartbeat(path: Path, monkeypatch: pytest.MonkeyPatch) -> process.Heartbeat
         state="training", engine=SimpleNamespace(policy_version=3), step=2, last_step_at=None, reason=None
     )
     server = cast(uvicorn.Server, SimpleNamespace(started=True))  # stand-in: the heartbeat reads `started`
-    beat = process.Heartbeat(path, record, server, cast(ServerContext, ctx))
+    beat = process.Heartbeat(path, record, server, cast(ModelContext, ctx))
     beat.start()
     return beat
 

@@ -20,7 +20,7 @@ from ajet_hpc.config.errors import ConfigError
 from ajet_hpc.engine.transformers_engine import TransformersEngine
 from ajet_hpc.launch.control import describe_servers
 from ajet_hpc.server import preemption
-from ajet_hpc.server.app import ServerContext
+from ajet_hpc.server.context import JobContext, ModelContext
 from ajet_hpc.server.recorder import EpisodeRecorder
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage import rendezvous, task_ends
@@ -195,8 +195,8 @@ def test_the_server_context_saves_once_and_requeues_its_job_when_the_engine_died
         monkeypatch.setenv("SLURM_JOB_ID", "42")
     engine = TransformersEngine(tmp_path / "model")  # not started: it is only asked whether it died
     recorder = EpisodeRecorder(tmp_path / "policy.h5")
-    ctx = ServerContext(
-        name="policy", engine=engine, settings=ServingConfig(), secret="s" * 32, recorder=recorder
+    ctx = ModelContext(
+        name="policy", job=JobContext(engine, "s" * 32), settings=ServingConfig(), recorder=recorder
     )
     saves: list[float] = []
     preemption.reset()
@@ -209,7 +209,7 @@ def test_the_server_context_saves_once_and_requeues_its_job_when_the_engine_died
         unregister()
         preemption.reset()
         recorder.close()
-    assert ctx.engine_lost == "vLLM's engine core process died" and len(saves) == 1
+    assert ctx.engine_lost == ctx.job.engine_lost == "vLLM's engine core process died" and len(saves) == 1
     if on_slurm:
         assert requeued == ["42"] and not ctx.failed
     else:

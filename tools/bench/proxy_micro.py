@@ -29,18 +29,17 @@ def breakdown(model_dir: Path, secret: str) -> list[tuple[str, float]]:
 
     from ajet_hpc.config import ServingConfig
     from ajet_hpc.server import http_schemas as p
-    from ajet_hpc.server.app import ServerContext
     from ajet_hpc.server.auth import authorize_episode_call, issue_episode_token
+    from ajet_hpc.server.context import JobContext, ModelContext
     from ajet_hpc.tracking.context import ContextTracker
 
     engine = ZeroEngine(model_dir, MAX_MODEL_LEN)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(engine.start())
-    ctx = ServerContext(
+    ctx = ModelContext(
         name=MODEL,
-        engine=engine,
+        job=JobContext(engine=engine, secret=secret),
         settings=ServingConfig(max_model_len=MAX_MODEL_LEN, max_tokens=256),
-        secret=secret,
         recorder=NoStore(),
     )
     tokenizer = engine.tokenizer

@@ -259,7 +259,8 @@ def serve_main(argv: list[str]) -> int:
 
     if os.environ.get(SWITCH_ENV):  # diagnostic knob (see the README): the GIL switch interval, seconds
         sys.setswitchinterval(float(os.environ[SWITCH_ENV]))
-    from ajet_hpc.server.app import ServerContext, create_app
+    from ajet_hpc.server.app import create_app
+    from ajet_hpc.server.context import JobContext, ModelContext
 
     engine: Engine
     if args.engine == "vllm":
@@ -283,13 +284,11 @@ def serve_main(argv: list[str]) -> int:
         asyncio.run(engine.start())  # loads the tokenizer (the app's start then finds it started)
         # the runtime check reads every member, the tokenizer too: only a started engine passes it
         assert isinstance(engine, Engine), "ZeroEngine does not satisfy ajet_hpc.engine.base.Engine"
-    ctx = ServerContext(
+    ctx = ModelContext(
         name=MODEL,
-        engine=engine,
+        job=JobContext(engine=engine, secret=os.environ[SECRET_ENV], job_id="bench"),
         settings=ServingConfig(max_model_len=MAX_MODEL_LEN, max_tokens=256),
-        secret=os.environ[SECRET_ENV],
         recorder=NoStore(),
-        job_id="bench",
         public_url=f"http://127.0.0.1:{args.port}",
     )
     # as ajet_hpc.server.process runs it: one worker, uvloop + httptools when installed, no access log

@@ -1,10 +1,11 @@
 """The seam between a trainer and the server that hosts it: what a `Coordinator` needs from its host
 (`TrainerHost`), and everything else it is given once, at construction (`TrainerSetup`).
 
-The host is the server process (``ajet_hpc.server.app.ServerContext``): it owns the engine, the episode
-store and the admission of new episodes, and it decides what a failure means for the job (requeue, fail,
-finish). The coordinator trains; it never reaches into the server beyond these members, and the server
-sets nothing on a coordinator after building it (``ajet_hpc.server.assembly`` builds both).
+The host is the model's context in the server process (``ajet_hpc.server.context.ModelContext``): it
+owns the engine, the episode store and the admission of new episodes, and it decides what a failure means
+for the job (requeue, fail, finish). The coordinator trains; it never reaches into the server beyond these
+members, and the server sets nothing on a coordinator after building it (``ajet_hpc.server.assembly``
+builds both).
 
 Several trainers behind one server (one per trainable adapter of a base model) each get a `TrainerHost` of
 their own: a view over the one server that routes the trainer's episodes, steps and end to that trainer's
