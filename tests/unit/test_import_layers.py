@@ -21,7 +21,7 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
     {"trainer"},
     {"server"},
     {"client", "builtin_tasks", "agents", "rewards"},
-    {"inspect", "launch"},
+    {"offline", "launch"},
     {"status", "cancel", "logs", "cli", "study"},
 ]
 
