@@ -71,9 +71,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         new = new_path(fullname)
         if new is None:
             return None
-        target = importlib.util.find_spec(new)  # its origin: what ``python -m OLD`` puts in sys.argv[0]
+        found = importlib.util.find_spec(new)  # its origin: what ``python -m OLD`` puts in sys.argv[0]
         return importlib.util.spec_from_loader(
-            fullname, _Alias(new), origin=target.origin if target is not None else None
+            fullname, _Alias(new), origin=found.origin if found is not None else None
         )
 
 
