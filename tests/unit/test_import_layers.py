@@ -58,7 +58,7 @@ def _text(node: ast.AST) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
-        return "".join(part.value if isinstance(part, ast.Constant) else " " for part in node.values)
+        return "".join(str(part.value) if isinstance(part, ast.Constant) else " " for part in node.values)
     return None
 
 
