@@ -27,11 +27,11 @@ COMMANDS: dict[str, Command] = {
     "status": Command("ajet_hpc.status", "the jobs of a run, their states, servers and log paths"),
     "logs": Command("ajet_hpc.logs", "print (or follow, -f) the logs of a run's jobs"),
     "cancel": Command("ajet_hpc.cancel", "stop every job of a run"),
-    "inspect": Command("ajet_hpc.inspect.cli", "read a run offline: steps, episodes, conversations, exports"),
+    "inspect": Command("ajet_hpc.offline.cli", "read a run offline: steps, episodes, conversations, exports"),
     "export": Command(
-        "ajet_hpc.inspect.model_export", "a trained model (or LoRA adapter) as a Hugging Face folder"
+        "ajet_hpc.offline.model_export", "a trained model (or LoRA adapter) as a Hugging Face folder"
     ),
-    "eval": Command("ajet_hpc.inspect.evaluate", "evaluate a saved checkpoint on a group's held-out tasks"),
+    "eval": Command("ajet_hpc.offline.evaluate", "evaluate a saved checkpoint on a group's held-out tasks"),
     "study": Command("ajet_hpc.study.cli", "many runs over a search space, supervised; status and report"),
 }
 PROG = "ajet-hpc"

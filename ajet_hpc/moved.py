@@ -6,7 +6,8 @@ one. ``install()`` (called by ``ajet_hpc/__init__.py``) puts a finder on ``sys.m
 path, and everything below it, with the module at the new path, after a ``FutureWarning`` (shown by default,
 unlike ``DeprecationWarning``, because the reader is a user running an agent, not a developer running
 tests) that names the new path. The old name and the new one are the same module object, so ``isinstance``
-and module state agree whichever path a caller used.
+and module state agree whichever path a caller used. ``python -m OLD`` runs the new module (or package's
+``__main__``) too, after the same warning.
 
 The public API agents and tools are meant to import lives in ``ajet_hpc.api``; paths there do not move.
 """
@@ -19,11 +20,12 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from types import ModuleType
+from types import CodeType, ModuleType
 
 # old dotted path -> new dotted path. An entry covers the module and every module below it.
 MOVED: dict[str, str] = {
     "ajet_hpc.tasks": "ajet_hpc.builtin_tasks",
+    "ajet_hpc.inspect": "ajet_hpc.offline",  # it shadowed the standard library's inspect
 }
 
 
@@ -50,6 +52,17 @@ class _Alias(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         """The module at the new path is already executed."""
 
+    def is_package(self, fullname: str) -> bool:
+        """Whether the new path is a package: ``python -m OLD`` then runs ``OLD.__main__`` (runpy)."""
+        spec = importlib.util.find_spec(self.new)
+        return spec is not None and spec.submodule_search_locations is not None
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """The new module's code, for ``python -m OLD`` (runpy runs the code, it imports no module)."""
+        spec = importlib.util.find_spec(self.new)
+        get_code = getattr(spec.loader, "get_code", None) if spec is not None else None
+        return get_code(self.new) if get_code is not None else None
+
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(
@@ -58,7 +71,10 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         new = new_path(fullname)
         if new is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(new))
+        found = importlib.util.find_spec(new)  # its origin: what ``python -m OLD`` puts in sys.argv[0]
+        return importlib.util.spec_from_loader(
+            fullname, _Alias(new), origin=found.origin if found is not None else None
+        )
 
 
 def install() -> None:

@@ -25,13 +25,14 @@ class ServerJob(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         import signal
 
+        from ajet_hpc.launch import keeper_start
         from ajet_hpc.server import preemption
         from ajet_hpc.server.process import serve
 
         # submitit's own handler ignores SIGTERM, the only signal of a preemption on many clusters: ours
         # saves (``preemption``) and stops; uvicorn's, which saves first, replaces it while the server serves
         signal.signal(signal.SIGTERM, preemption.handle_term_while_starting)
-        code = serve(self.run_dir, self.name)
+        code = serve(self.run_dir, self.name, beside=keeper_start.start)  # the keeper of its client arrays
         if code:
             raise JobFailed(f"server {self.name} failed (exit code {code}): see its rendezvous and log")
         return code

@@ -7,9 +7,14 @@ tasks would never run again. The keeper notices such tasks and submits exactly t
 up to ``clients[].max_resubmits`` times each; the new task opens the same client store and resumes from it
 (exactly once: docs/reliability.md).
 
-Who keeps what: every server job starts one keeper (``python -m ajet_hpc.launch.keeper RUN SERVER``, from
-``server/process.py``; Slurm only) for the client groups whose first model it serves, so each group has one
-keeper, and it lives and dies with that server job (a requeued server starts it again).
+Who keeps what: every server job starts one keeper (``python -m ajet_hpc.launch.keeper RUN SERVER``; Slurm
+only) for the client groups whose first model it serves, so each group has one keeper, and it lives and dies
+with that server job (a requeued server starts it again). The launch layer's server job entries
+(``jobs.ServerJob``, ``python -m ajet_hpc.launch.server_job``) hand ``keeper_start.start`` down to the server
+(``server.process.serve(..., beside=start)``), which calls it in the serving process once assembled, right
+before it serves, and terminates the keeper first when serving ends. So the keeper is the serving process's
+child, and it also ends at its next pass once that parent is gone or the server's rendezvous says its
+training is over.
 
 What died whole: Slurm says ``NODE_FAIL``, ``OUT_OF_MEMORY`` or ``BOOT_FAIL``, or ``FAILED`` by a signal
 (``ExitCode`` ``0:9``). A task that ended ``FAILED`` with an exit code ended itself (its servers failed, its
@@ -36,6 +41,7 @@ from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.launch import registry
 from ajet_hpc.launch.backends.base import BackendError
 from ajet_hpc.launch.backends.slurm import SlurmBackend
+from ajet_hpc.launch.keeper_start import kept_groups
 from ajet_hpc.launch.plan import client_job
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.slurm import slurmcli
@@ -57,12 +63,6 @@ def died_whole(state: slurmcli.JobState) -> bool:
         return False
     _, _, signal = state.exit_code.partition(":")
     return signal not in ("", "0")
-
-
-def kept_groups(topology: Topology, server: str) -> list[ClientGroupConfig]:
-    """The client groups (eval groups too) whose first model ``server`` serves, with resubmits allowed."""
-    groups = [*topology.clients, *topology.eval_groups.values()]
-    return [g for g in groups if g.max_resubmits > 0 and topology.host_of(g.servers[0]).name == server]
 
 
 def keep_once(

@@ -49,7 +49,7 @@ class JobSpec:
         """
         python = self.python or python
         if self.kind == "server":
-            return [python, "-u", "-m", "ajet_hpc.server", str(run_dir), "--name", self.target]
+            return [python, "-u", "-m", "ajet_hpc.launch.server_job", str(run_dir), "--name", self.target]
         return [python, "-u", "-m", "ajet_hpc.client", str(run_dir), "--group", self.target]
 
 

@@ -93,7 +93,7 @@ class ClosedEpisode:
         raise Gone(
             f"the timelines of episode {self.episode_id} are no longer held by the server (it keeps only "
             "the most recently closed episodes whole); read them from the run's store "
-            "(python -m ajet_hpc.inspect RUN show EPISODE_ID)",
+            "(ajet-hpc inspect RUN show EPISODE_ID)",
             param="timelines",
             code="timelines_gone",
         )

@@ -10,13 +10,11 @@ import math
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 
@@ -248,9 +246,23 @@ def is_server_process(environ: Mapping[str, str] = os.environ) -> bool:
     return int(environ.get("SLURM_PROCID", "0")) == 0
 
 
-def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
+class Beside(Protocol):
+    """A process started beside the server, ended when the server stops serving (``subprocess.Popen``)."""
+
+    def terminate(self) -> None: ...
+
+
+StartBeside = Callable[[RunDir, Topology, str], Beside | None]
+"""What the launch layer hands down to start beside the server (the keeper of its client arrays,
+``launch/keeper_start.py``): called with the run, its topology and the server's name in the process that
+serves, once the server is assembled, right before it serves; None when there is nothing to start. What it
+returns is terminated first when serving ends, however it ends."""
+
+
+def serve(run_dir: str | os.PathLike[str], name: str | None = None, beside: StartBeside | None = None) -> int:
     """Serve the server ``name`` of the run: bind, assemble (`assembly.assemble`), serve until training is
-    over or the job goes down, then tear down; the process's exit code."""
+    over or the job goes down, then tear down; the process's exit code. ``beside`` (the launch layer's
+    keeper) starts a process beside the server, see ``StartBeside``."""
     setup_logging()
     run = RunDir.at(run_dir)
     topology = run.load_topology()
@@ -299,12 +311,12 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
     unregister = preemption.on_signal(lambda budget_s: _save_on_signal(contexts, budget_s))
     server.handle_exit = _saving_on_sigterm(server.handle_exit)  # type: ignore[method-assign]
     watch = _watch_deadline(job, cluster.signal_delay_s, server, contexts)
-    keeper = _start_keeper(run, topology, config.name) if job.on_slurm else None
+    companion = beside(run, topology, config.name) if beside is not None else None
     try:
         server.run(sockets=[sock])
     finally:
-        if keeper is not None:
-            keeper.terminate()
+        if companion is not None:
+            companion.terminate()
         if watch is not None:
             watch.stop()
         unregister()
@@ -315,16 +327,6 @@ def serve(run_dir: str | os.PathLike[str], name: str | None = None) -> int:
                 remove_local_exports(ctx.coordinator.work_dir)
         sock.close()
     return EXIT_FAILED if any(ctx.failed for ctx in contexts) else 0
-
-
-def _start_keeper(run: RunDir, topology: Topology, server: str) -> subprocess.Popen[bytes] | None:
-    """The keeper of the client arrays whose first model this server serves (``launch/keeper.py``: it
-    submits again the array tasks that died whole), as a child process; None when no group has
-    ``max_resubmits``. A process of its own: submitting jobs is the launcher's code, not the server's."""
-    groups = [*topology.clients, *topology.eval_groups.values()]
-    if not any(g.max_resubmits and topology.host_of(g.servers[0]).name == server for g in groups):
-        return None
-    return subprocess.Popen([sys.executable, "-m", "ajet_hpc.launch.keeper", str(run.root), server])
 
 
 def uvicorn_server(app: Any, config: ServerConfig) -> GracefulServer:

@@ -1,5 +1,5 @@
 """The inspector on a real run directory: a topology, metrics.jsonl and a real HDF5 server store with real
-timelines (the context tracker on the tiny tokenizer), read through ``python -m ajet_hpc.inspect``'s
+timelines (the context tracker on the tiny tokenizer), read through ``python -m ajet_hpc.offline``'s
 ``main``, also while a writer is still appending."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import dump_topology, load_topology
 from ajet_hpc.engine.tiny import build_tokenizer
-from ajet_hpc.inspect.cli import main
-from ajet_hpc.inspect.run import Run
+from ajet_hpc.offline.cli import main
+from ajet_hpc.offline.run import Run
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 from ajet_hpc.tracking.context import ContextTracker

@@ -255,9 +255,9 @@ if __name__ == "__main__":
 
 def recorded_calls(run: Path, version: int) -> list[tuple[list[int], int, list[float]]]:
     """(token ids, prompt length, the engine's recorded logprobs) of every call made at policy ``version``."""
-    from ajet_hpc.inspect.export import sample_rows
-    from ajet_hpc.inspect.run import Run
-    from ajet_hpc.inspect.views import EpisodeFilter
+    from ajet_hpc.offline.export import sample_rows
+    from ajet_hpc.offline.run import Run
+    from ajet_hpc.offline.views import EpisodeFilter
 
     with Run.open(run) as opened:
         (model,) = opened.models()

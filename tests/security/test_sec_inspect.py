@@ -11,8 +11,8 @@ import pytest
 
 from ajet_hpc.config import dump_topology, load_topology
 from ajet_hpc.engine.tiny import build_tokenizer
-from ajet_hpc.inspect.cli import main
-from ajet_hpc.inspect.views import printable
+from ajet_hpc.offline.cli import main
+from ajet_hpc.offline.views import printable
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.context import ContextTracker

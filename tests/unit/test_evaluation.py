@@ -282,7 +282,7 @@ def test_eval_rows_are_not_step_rows(tmp_path: Path) -> None:
 
 
 def test_offline_eval_refuses_what_it_cannot_evaluate(tmp_path: Path, capsys) -> None:
-    from ajet_hpc.inspect.evaluate import main
+    from ajet_hpc.offline.evaluate import main
     from ajet_hpc.storage.rundir import RunDir
 
     assert main([str(tmp_path / "nowhere")]) == 2

@@ -1,14 +1,21 @@
-"""The package's layering, read from the source (every import, lazy and TYPE_CHECKING ones included).
+"""The package's layering, read from the source (every import, lazy and TYPE_CHECKING ones included, and
+every process a module starts with ``-m ajet_hpc...``).
 
 A package may import only from its own layer or the layers below it, and no two modules may import each
-other, directly or around a loop. Nothing breaks a rule today. An exception that cannot be avoided goes in
-``KNOWN_UPWARD`` or ``KNOWN_CYCLES`` with its reason; the test fails on anything new, and also on a listed
-exception that is gone (then delete it from the list), so the lists only shrink.
+other, directly or around a loop. Starting a module as a process (``[python, "-m", "ajet_hpc.x.y"]``, or
+``-m ajet_hpc.x.y`` in a command string given to ``subprocess``/``shlex.split``/``os.system``) depends on it
+as an import does, so it counts for the layers; it counts for no cycle (a process started is no import, and
+a module may start the process that imports it: ``launch/keeper_start.py`` starts ``launch/keeper.py``).
+Nothing breaks a rule today. An exception that cannot be avoided goes in ``KNOWN_UPWARD`` or
+``KNOWN_CYCLES`` with its reason; the test fails on anything new, and also on a listed exception that is gone
+(then delete it from the list), so the lists only shrink.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,7 +28,7 @@ LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_
     {"trainer"},
     {"server"},
     {"client", "builtin_tasks", "agents", "rewards"},
-    {"inspect", "launch"},
+    {"offline", "launch"},
     {"status", "cancel", "logs", "cli", "study"},
 ]
 
@@ -30,11 +37,72 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {}  # (importer, imported): why it is
 KNOWN_CYCLES: dict[frozenset[str], str] = {}  # modules that import each other (lazy imports count): why
 
 
-def import_graph() -> dict[str, set[str]]:
+def package_modules() -> dict[str, Path]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULE_FLAGS = ("-m", "--module")  # python's, torchrun's
+COMMAND_IN_STRING = re.compile(r"(?:^|\s)(?:-m|--module)\s+(ajet_hpc(?:\.\w+)*)")
+STARTS_PROCESSES = {  # subprocess's, os.system, shlex.split, asyncio's
+    *("Popen", "run", "call", "check_call", "check_output", "system", "split"),
+    *("create_subprocess_exec", "create_subprocess_shell"),
+}
+
+
+def _text(node: ast.AST) -> str | None:
+    """A string literal's text (an f-string's literal parts, its fields as spaces); None for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(str(part.value) if isinstance(part, ast.Constant) else " " for part in node.values)
+    return None
+
+
+def launched_modules(source: str) -> set[str]:
+    """The ``ajet_hpc`` modules that this source starts as processes: a ``"-m"`` (or ``"--module"``) element
+    of a list or tuple followed by a literal module name, or ``-m ajet_hpc...`` in a string given to a call
+    that starts a process. A message that names a command for the user (``python -m ajet_hpc.status RUN``
+    in a print or an error) starts nothing and is not counted."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.List | ast.Tuple):
+            texts = [_text(element) for element in node.elts]
+            for flag, module in itertools.pairwise(texts):
+                if flag in MODULE_FLAGS and module is not None and module.startswith("ajet_hpc"):
+                    found.add(module)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in STARTS_PROCESSES:
+                for arg in node.args:
+                    found.update(COMMAND_IN_STRING.findall(_text(arg) or ""))
+    return found
+
+
+def _resolve(target: str, modules: dict[str, Path]) -> str:
+    while target not in modules and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def launch_graph() -> dict[str, set[str]]:
+    """Each module -> the package modules it starts as processes (``launched_modules``)."""
+    modules = package_modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target in launched_modules(path.read_text()):
+            target = _resolve(target, modules)
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -45,8 +113,7 @@ def import_graph() -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                while target not in modules and "." in target:
-                    target = target.rsplit(".", 1)[0]
+                target = _resolve(target, modules)
                 if target in modules and target not in (name, "ajet_hpc"):
                     graph[name].add(target)
     for name in modules:
@@ -106,12 +173,18 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return found
 
 
+def upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)}
+
+
 def test_no_package_imports_from_a_layer_above_it() -> None:
     graph = import_graph()
-    upward = {(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)}
-    new = sorted(upward - KNOWN_UPWARD.keys())
-    assert not new, f"imports from a higher layer (see LAYERS): {new}"
-    gone = sorted(KNOWN_UPWARD.keys() - upward)
+    for name, launched in launch_graph().items():
+        graph[name] |= launched
+    upward_edges = upward(graph)
+    new = sorted(upward_edges - KNOWN_UPWARD.keys())
+    assert not new, f"imports or -m launches from a higher layer (see LAYERS): {new}"
+    gone = sorted(KNOWN_UPWARD.keys() - upward_edges)
     assert not gone, f"these exceptions are fixed: delete them from KNOWN_UPWARD: {gone}"
 
 
@@ -150,3 +223,32 @@ def test_the_trainer_s_coordinator_and_ranks_share_only_the_protocol() -> None:
     ]
     upward = sorted((a, b) for a, b in protocol if any(b.startswith(side) for side in TRAINER_SIDES))
     assert not upward, f"the trainer's protocol imports a side of it: {upward}"
+
+
+def test_the_graph_sees_launches() -> None:
+    launches = launch_graph()
+    assert "ajet_hpc.launch.keeper" in launches["ajet_hpc.launch.keeper_start"]  # a Popen argv
+    assert (
+        "ajet_hpc.trainer.ranks.worker" in launches["ajet_hpc.trainer.coordinator.rank_launcher"]
+    )  # a list built apart
+    assert "ajet_hpc.launch.server_job" in launches["ajet_hpc.launch.plan"]  # the hetjob's srun step
+    assert "ajet_hpc.launch" in launches["ajet_hpc.study.trial_supervisor"]
+    assert "ajet_hpc.client" in launches["ajet_hpc.client.task_supervisor"]
+
+
+def test_an_upward_launch_is_an_upward_edge() -> None:
+    """The server starting the keeper itself (as before issue 44) fails the layer test."""
+    source = """
+import shlex, subprocess, sys
+subprocess.Popen([sys.executable, "-m", "ajet_hpc.launch.keeper", "RUN", "policy"])
+subprocess.run(shlex.split(f"{sys.executable} -u -m ajet_hpc.status {'RUN'}"))
+torchrun = ["python", "-m", "torch.distributed.run", "--module", "ajet_hpc.trainer.worker"]
+print("then: python -m ajet_hpc.cancel RUN")  # a hint for the user, no launch
+"""
+    launched = launched_modules(source)
+    assert launched == {"ajet_hpc.launch.keeper", "ajet_hpc.status", "ajet_hpc.trainer.worker"}
+    graph = {"ajet_hpc.server.process": launched}
+    assert upward(graph) == {
+        ("ajet_hpc.server.process", "ajet_hpc.launch.keeper"),
+        ("ajet_hpc.server.process", "ajet_hpc.status"),
+    }

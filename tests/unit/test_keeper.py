@@ -1,16 +1,24 @@
-"""The keeper's decisions (``launch/keeper.py``) and the registry's view of resubmitted array tasks; the
-keeper on the dev cluster is in ``tests/cluster/test_client_resume.py``."""
+"""The keeper's decisions (``launch/keeper.py``), the registry's view of resubmitted array tasks, and who
+starts the keeper (the launch layer's server job entries, through ``serve``'s ``beside``); the keeper on the
+dev cluster is in ``tests/cluster/test_client_resume.py``."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from support import topology_dict, write_topology
 
 from ajet_hpc.config import load_topology
-from ajet_hpc.launch import registry
+from ajet_hpc.launch import keeper_start, registry, server_job
+from ajet_hpc.launch.jobs import ServerJob
 from ajet_hpc.launch.keeper import died_whole, kept_groups
 from ajet_hpc.launch.registry import SubmittedJob
+from ajet_hpc.server import __main__ as server_main
+from ajet_hpc.server import process
 from ajet_hpc.slurm.slurmcli import JobState
 from ajet_hpc.storage.rundir import RunDir
 
@@ -65,3 +73,100 @@ def test_each_group_is_kept_by_the_server_of_its_first_model() -> None:
     }
     adapters = load_topology(REPO / "configs" / "propose_solve_lora.yaml")  # adapters: their server job keeps
     assert [g.name for g in kept_groups(adapters, "base")] == ["pairs"]
+
+
+def _run(tmp_path: Path) -> RunDir:
+    """A prepared run: server ``policy``, client group ``math`` with resubmits (the default)."""
+    topology = load_topology(write_topology(tmp_path, topology_dict(tmp_path / "run")))
+    run = RunDir(tmp_path / "run")
+    run.prepare(topology)
+    return run
+
+
+def test_the_keeper_starts_on_slurm_only_for_a_server_that_keeps_a_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _run(tmp_path)
+    topology = run.load_topology()
+    started: list[list[str]] = []
+
+    def popen(argv: list[str]) -> str:
+        started.append(argv)
+        return "child"
+
+    monkeypatch.setattr(keeper_start.subprocess, "Popen", popen)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert keeper_start.start(run, topology, "policy") is None  # not on Slurm
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert keeper_start.start(run, topology, "other") is None  # keeps no group
+    assert keeper_start.start(run, topology, "policy") == "child"
+    assert started == [[sys.executable, "-m", "ajet_hpc.launch.keeper", str(run.root), "policy"]]
+
+
+def test_the_server_job_entries_hand_the_keeper_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit's ``ServerJob`` and ``python -m ajet_hpc.launch.server_job`` (hetjobs, sbatch/) both serve
+    with ``keeper_start.start`` beside the server; ``python -m ajet_hpc.server`` serves alone."""
+    calls: list[tuple[str, str | None, object]] = []
+
+    def fake_serve(run_dir: str, name: str | None = None, beside: object = None) -> int:
+        calls.append((str(run_dir), name, beside))
+        return 0
+
+    monkeypatch.setattr(process, "serve", fake_serve)  # ServerJob imports it when called
+    monkeypatch.setattr(server_main, "serve", fake_serve)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        assert ServerJob("/r", "policy")() == 0
+        assert server_job.main(["/r", "--name", "policy"]) == 0
+        assert server_main.main(["/r", "--name", "policy"]) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert calls == [
+        ("/r", "policy", keeper_start.start),
+        ("/r", "policy", keeper_start.start),
+        ("/r", "policy", None),
+    ]
+
+
+def test_the_server_starts_what_it_is_handed_once_assembled_and_ends_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve(..., beside=start)``: ``start`` runs in the serving process after the assembly, right before
+    uvicorn serves; its process is terminated first when serving ends, also when serving raises."""
+    run = _run(tmp_path)
+    events: list[str] = []
+    ctx = SimpleNamespace(
+        name="policy", public_url="http://127.0.0.1:1", job=SimpleNamespace(started_at=0.0), failed=False,
+        over=False, coordinator=None,
+    )  # fmt: skip
+
+    class Server:
+        started, should_exit = False, False
+        handle_exit = staticmethod(lambda sig, frame: None)
+
+        def run(self, sockets: object) -> None:
+            events.append("serve")
+            raise RuntimeError("uvicorn died")
+
+    class Companion:
+        def terminate(self) -> None:
+            events.append("terminate")
+
+    def start(run_arg: RunDir, topology: object, server: str) -> Companion:
+        events.append(f"start {server} {run_arg.root == run.root}")
+        return Companion()
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+    def assemble(*args: object) -> tuple[object, list[SimpleNamespace]]:
+        events.append("assemble")
+        return object(), [ctx]
+
+    monkeypatch.setattr(process, "assemble", assemble)
+    monkeypatch.setattr(process, "create_app", lambda *args, **kwargs: object())
+    monkeypatch.setattr(process, "uvicorn_server", lambda app, config: Server())
+    monkeypatch.setattr(process, "_leave", lambda *args: events.append("leave"))
+    with pytest.raises(RuntimeError, match="uvicorn died"):
+        process.serve(run.root, "policy", beside=start)
+    assert events == ["assemble", "start policy True", "serve", "terminate", "leave"]

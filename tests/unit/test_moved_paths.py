@@ -46,3 +46,17 @@ def test_the_warning_is_shown_by_default_to_a_user_running_an_agent() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ajet_hpc.tasks moved to ajet_hpc.builtin_tasks" in done.stderr
+
+
+def test_python_dash_m_runs_a_moved_package_with_the_warning(tmp_path) -> None:
+    """``python -m ajet_hpc.inspect`` (the package is ``ajet_hpc.offline`` now) still runs the inspector:
+    runpy runs the new ``__main__``'s code through the alias, after the warning."""
+    command = [sys.executable, "-m", "ajet_hpc.inspect"]
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: python -m ajet_hpc.offline"), done.stdout[:200]
+    assert "ajet_hpc.inspect moved to ajet_hpc.offline" in done.stderr
+    missing = tmp_path / "no-run"
+    done = subprocess.run([*command, str(missing), "summary"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]  # the inspector's own answer to a bad run directory
+    assert f"error: {missing} is not a run directory" in done.stderr

@@ -14,11 +14,11 @@ for _path in (str(REPO), str(HERE)):
 
 from proxy_load import BUSY_CORES, LLM_MAX_TOKENS, Window  # noqa: E402
 
-from ajet_hpc.inspect.views import table as _table  # noqa: E402
+from ajet_hpc.offline.views import table as _table  # noqa: E402
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    """The package's plain table (``ajet_hpc.inspect.views``), figures right-aligned."""
+    """The package's plain table (``ajet_hpc.offline.views``), figures right-aligned."""
     return _table(headers, rows, right=headers[1:])
 
 

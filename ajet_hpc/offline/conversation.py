@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ajet_hpc.inspect.run import InspectError
-from ajet_hpc.inspect.views import fmt, fmt_time, fmt_versions, printable, table
+from ajet_hpc.offline.run import InspectError
+from ajet_hpc.offline.views import fmt, fmt_time, fmt_versions, printable, table
 from ajet_hpc.storage.records import EpisodeRecord
 from ajet_hpc.tracking.timeline import AUTHOR_NAMES, MODEL, Timeline
 

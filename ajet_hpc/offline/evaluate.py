@@ -25,7 +25,7 @@ from ajet_hpc.algo.pass_at_k import RoundScore, score_round
 from ajet_hpc.client.eval_runner import EvalGroupTask
 from ajet_hpc.config import ClientGroupConfig, ConfigError, Topology
 from ajet_hpc.config.evaluation import eval_group_name, evaluated_model
-from ajet_hpc.inspect.model_export import ExportError, checkpoint_tag, export
+from ajet_hpc.offline.model_export import ExportError, checkpoint_tag, export
 from ajet_hpc.server.app import create_app
 from ajet_hpc.server.assembly import Job, assemble
 from ajet_hpc.server.process import Heartbeat, uvicorn_server

@@ -1,4 +1,4 @@
-"""``python -m ajet_hpc.inspect RUN <command>``: look into a run offline, also while it is being written.
+"""``python -m ajet_hpc.offline RUN <command>``: look into a run offline, also while it is being written.
 
 commands:
   summary    steps, episodes by state, tasks, reward by step, merge ratio, drift, failures
@@ -19,19 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-from ajet_hpc.inspect.conversation import ShowOptions, show_text
-from ajet_hpc.inspect.export import FORMATS, PER, export
-from ajet_hpc.inspect.plot import plot
-from ajet_hpc.inspect.run import InspectError, ModelRun, Run, load_tokenizer
-from ajet_hpc.inspect.views import EpisodeFilter, check_step, episodes_text, summary_text
 from ajet_hpc.logging_setup import setup_logging
+from ajet_hpc.offline.conversation import ShowOptions, show_text
+from ajet_hpc.offline.export import FORMATS, PER, export
+from ajet_hpc.offline.plot import plot
+from ajet_hpc.offline.run import InspectError, ModelRun, Run, load_tokenizer
+from ajet_hpc.offline.views import EpisodeFilter, check_step, episodes_text, summary_text
 from ajet_hpc.storage.h5_layout import StoreError
 from ajet_hpc.storage.records import CLOSED_STATES
 
 EXIT_BAD_INPUT = 2
 
 
-def build_parser(prog: str = "python -m ajet_hpc.inspect") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m ajet_hpc.offline") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=__doc__,
@@ -130,7 +130,7 @@ def _summary(run: Run, args: argparse.Namespace) -> int:
         print()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.inspect") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ajet_hpc.offline") -> int:
     setup_logging(os.environ.get("AJET_LOG_LEVEL") or "WARNING")
     try:
         args = build_parser(prog).parse_args(argv)

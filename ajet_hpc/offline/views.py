@@ -1,6 +1,6 @@
 """Text reports of a run: the summary, the episode table, and the filters they share with export.
 
-Every function here is pure formatting over what :mod:`ajet_hpc.inspect.run` read; nothing prints. Text that
+Every function here is pure formatting over what :mod:`ajet_hpc.offline.run` read; nothing prints. Text that
 comes from a run (model text, task ids, reasons and tracebacks) goes through ``printable`` first: a model or
 an agent can write terminal escape sequences, and the reader's terminal must not obey them.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ajet_hpc.inspect.run import InspectError, ModelRun, Run
+from ajet_hpc.offline.run import InspectError, ModelRun, Run
 from ajet_hpc.tracking.episode import EpisodeState
 
 FAILED_STATES = (EpisodeState.ABORTED, EpisodeState.DROPPED)

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.inspect.run import InspectError, ModelRun
-from ajet_hpc.inspect.views import EpisodeFilter, drift_count
+from ajet_hpc.offline.run import InspectError, ModelRun
+from ajet_hpc.offline.views import EpisodeFilter, drift_count
 
 FORMATS = ("jsonl", "parquet")
 PER = ("episode", "sample")

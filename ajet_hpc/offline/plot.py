@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.inspect.run import InspectError, ModelRun
-from ajet_hpc.inspect.views import FAILED_STATES, step_rows
+from ajet_hpc.offline.run import InspectError, ModelRun
+from ajet_hpc.offline.views import FAILED_STATES, step_rows
 
 TIMES = (("step_time_s", "step"), ("train_time_s", "train"), ("weight_sync_s", "weight sync"))
 
