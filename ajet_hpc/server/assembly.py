@@ -21,14 +21,6 @@ from typing import Any, Literal
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.config.evaluation import EvalConfig, eval_group_name, evaluated_model
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import (
-    co_trained,
-    lora_rank_limit,
-    lora_slots,
-    mix_of,
-    repeats_feeding,
-    server_placement,
-)
 from ajet_hpc.engine.adapter import adapter_rank, write_initial_adapter
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.model_path import resolve_model
@@ -87,9 +79,9 @@ def assemble_shared(
         for name, lora in host.lora_models()
     }
     frozen = {name: str(Path(folder).expanduser().resolve()) for name, folder in host.frozen_adapters()}
-    limit = lora_rank_limit(host, [adapter_rank(Path(folder)) for folder in frozen.values()])
+    limit = host.lora_rank_limit([adapter_rank(Path(folder)) for folder in frozen.values()])
     adapters = {**trained, **frozen}
-    settings.update(lora_adapters=tuple(adapters.items()), max_loras=lora_slots(host), max_lora_rank=limit)
+    settings.update(lora_adapters=tuple(adapters.items()), max_loras=host.lora_slots(), max_lora_rank=limit)
     engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
     contexts = []
@@ -100,7 +92,7 @@ def assemble_shared(
             "model %s: %s of %s (%s)", model.name, what, host.model, "trains" if model.trainer else "serves"
         )
         served = SharedModel(engine, model.name if model.name in adapters else BARE_BASE)
-        own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
+        own = dataclasses.replace(parts, placement=model.placement_plan())  # its trainer's ranks
         sync = decide(model.trainer, own.placement, kind)
         contexts.append(model_context(own, model, served, sync, f"{job.public_url}/m/{model.name}"))
     return engine, contexts
@@ -111,7 +103,7 @@ def _job_parts(
 ) -> tuple[_Parts, Literal["vllm", "transformers"]]:
     """What every model of the server job shares, its placement logged and the engine shown only its
     GPUs; and the engine's kind."""
-    placement = server_placement(server)
+    placement = server.placement_plan()
     for line in placement.describe():
         log.info("placement: %s", line)
     step_env = bind_engine_gpus(placement, os.environ)
@@ -162,8 +154,8 @@ def model_context(
             placement=parts.placement,
             sync=sync,
             receiver=engine if sync.in_memory and isinstance(engine, VllmEngine) else None,
-            mix=mix_of(topology, config.name),
-            repeats_of=repeats_feeding(topology, config.name),
+            mix=topology.mix_of(config.name),
+            repeats_of=topology.repeats_feeding(config.name),
             ended_count=ctx.episodes.ended_count,
             sources_ended=lambda: sources_ended(run, topology, config.name),
             rank_env=parts.step_env,
@@ -172,7 +164,7 @@ def model_context(
             evaluation=ctx.evaluation,
         )
         ctx.attach_trainer(Coordinator(ctx, setup))
-    partners = co_trained(topology, config.name)
+    partners = topology.co_trained(config.name)
     if partners:
         ctx.partners_done = lambda: all(
             (found := rendezvous.read(run.rendezvous_file(name))) is not None
@@ -245,8 +237,8 @@ def lora_settings(config: ServerConfig, model_path: Path, kind: Literal["vllm", 
     folder = _node_local(f"ajet-{config.name}-lora-v0-")
     settings: dict[str, Any] = {"lora_adapter": str(write_initial_adapter(model_path, lora, folder))}
     if kind == "vllm":
-        settings["max_loras"] = lora_slots(config)
-        settings["max_lora_rank"] = lora_rank_limit(config)
+        settings["max_loras"] = config.lora_slots()
+        settings["max_lora_rank"] = config.lora_rank_limit()
     log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, config.name)
     return settings
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.trainer.distributed import slurm_hostnames
 from ajet_hpc.trainer.rank_files import prepare_for_ranks
 from ajet_hpc.trainer.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan
