@@ -3,7 +3,7 @@ and the key order a user reads (the frozen RUN/topology.yaml, unknown-key errors
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pydantic
 import pytest
@@ -47,7 +47,7 @@ def test_each_job_has_its_own_defaults_and_help_and_the_shared_checks() -> None:
     assert (client.partition, client.cpus, client.mem, client.time) == ("cpu", 1, "2G", "4:00:00")
     assert ServerConfig.model_fields["mem"].description.startswith("Memory per node")  # type: ignore[union-attr]
     assert ClientGroupConfig.model_fields["mem"].description.startswith("Memory per array task")  # type: ignore[union-attr]
-    jobs: list[tuple[type[JobResources], dict[str, object]]] = [
+    jobs: list[tuple[type[JobResources], dict[str, Any]]] = [
         (ServerConfig, {"name": "p", "model": "builtin:tiny"}),
         (ClientGroupConfig, {"name": "m", "agent": "a:b", "tasks": "builtin:arithmetic", "servers": ["p"]}),
     ]
