@@ -12,7 +12,6 @@ from support import topology_dict
 from transformers import PreTrainedTokenizerBase
 
 from ajet_hpc.config import ServingConfig, load_topology
-from ajet_hpc.config.topology import server_placement
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.transformers_engine import TransformersEngine
 from ajet_hpc.engine.vllm_engine import VllmEngine
@@ -69,7 +68,7 @@ def coordinator_for(
     )
     assert isinstance(engine, VllmEngine | TransformersEngine), engine
     kind: Literal["vllm", "transformers"] = "vllm" if isinstance(engine, VllmEngine) else "transformers"
-    placement = server_placement(server)
+    placement = server.placement_plan()
     sync = decide(server.trainer, placement, kind)
     setup = TrainerSetup(
         server=server,

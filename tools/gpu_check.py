@@ -43,8 +43,10 @@ from typing import Any, cast
 import torch
 
 from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.config.engine import ServingConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.config.placement import cpu_placement, plan_placement
-from ajet_hpc.config.topology import LoraConfig, TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
@@ -167,7 +169,7 @@ async def train_pass(
         save_every=10**6,
         lora=lora,
         kl_coef=0.0 if lora is None else 0.05,
-    )
+    ).resolved(ServingConfig())
     if args.cpu:  # a smoke test of this script where there is no GPU
         placement = cpu_placement(1)
     else:
@@ -343,8 +345,7 @@ def algorithm_bf16_check(device: str) -> tuple[float, float]:
     from ajet_hpc.algo.objective import Objective
     from ajet_hpc.algo.output_layer import model_logprobs
     from ajet_hpc.algo.sample_tensors import collate
-    from ajet_hpc.config.topology import ServingConfig
-    from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+    from ajet_hpc.config.engine import ServingConfig
     from ajet_hpc.trainer.ranks.step import model_inputs
 
     shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
@@ -377,7 +378,7 @@ def algorithm_bf16_check(device: str) -> tuple[float, float]:
         batch["old_logprobs"] = torch.where(batch["loss_mask"] != 0, engine, 0.0)
     worst = {"token": (0.0, ""), "sequence": (0.0, "")}
     for name, settings in ALGORITHM_CHECKS.items():
-        trainer = resolve(TrainerConfig.model_validate(settings), ServingConfig(max_tokens=64))
+        trainer = TrainerConfig.model_validate(settings).resolved(ServingConfig(max_tokens=64))
         objective = Objective.of(trainer)
         divisor = float(objective.divisor(samples))
         found = {}

@@ -1,10 +1,10 @@
 """A trainer's objective: its algorithm's loss, aggregation and off-policy correction, on one micro-batch.
 
-``Objective.of(trainer)`` reads what the loss needs from ``trainer`` (with its algorithm's defaults
-resolved: ``ajet_hpc.trainer.coordinator.algorithm_settings``); :meth:`Objective.divisor` gives the step's
-divisor from all its samples and :meth:`Objective.micro_loss` one micro-batch's share of the step's loss, so
-that the micro-batches of every rank add up to the loss of the batch as one (``ajet_hpc.trainer.ranks.step``).
-The formulas are in docs/algorithms.md.
+``Objective.of(trainer)`` reads what the loss needs from a resolved ``trainer`` (its algorithm's and
+its server's defaults filled in: ``TrainerConfig.resolved``); :meth:`Objective.divisor` gives the step's
+divisor from all its samples and :meth:`Objective.micro_loss` one micro-batch's share of the step's loss,
+so that the micro-batches of every rank add up to the loss of the batch as one
+(``ajet_hpc.trainer.ranks.step``). The formulas are in docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from ajet_hpc.algo.grpo import policy_loss
 from ajet_hpc.algo.loss_agg import step_divisor, token_scale
 from ajet_hpc.algo.sample_tensors import Sample, trained_count
 from ajet_hpc.algo.sequences import sequence_count
-from ajet_hpc.config.algorithms import algorithm
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,12 @@ class Objective:
 
     @classmethod
     def of(cls, trainer: TrainerConfig) -> Objective:
-        spec = algorithm(trainer.algorithm)
+        """The objective of a resolved ``trainer`` (``TrainerConfig.resolved``)."""
+        if trainer.loss_agg is None:
+            raise ValueError("Objective.of needs a resolved trainer config: trainer.resolved(serving)")
         return cls(
-            ratio_level=spec.ratio,
-            loss_agg=trainer.loss_agg or spec.loss_agg,
+            ratio_level=trainer.spec.ratio,
+            loss_agg=trainer.loss_agg,
             token_sum_norm=trainer.token_sum_norm,
             clip_eps=trainer.clip_eps,
             clip_eps_high=trainer.clip_eps_high,

@@ -56,7 +56,6 @@ from ajet_hpc.client.session import (
 )
 from ajet_hpc.client.task_sources import assigned_tasks, import_entry
 from ajet_hpc.config import ClientGroupConfig, Topology
-from ajet_hpc.config.topology import episode_repeats
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import task_ends
@@ -568,7 +567,7 @@ WorkerFactory = Callable[[RunDir, Topology, ClientGroupConfig, int], "GroupTask"
 
 def group_task(run: RunDir, topology: Topology, group: ClientGroupConfig, index: int) -> GroupTask:
     """The worker of a training group's array task."""
-    return GroupTask(run, group, index, episode_repeats(topology, group))
+    return GroupTask(run, group, index, topology.episode_repeats(group))
 
 
 def run_client(

@@ -1,5 +1,7 @@
 """The topology of a run: typed models, loading with overrides, and field-path errors."""
 
+from ajet_hpc.config.clients import ClientGroupConfig
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.config.errors import ConfigError, ConfigIssue, format_path, issues_from_validation_error
 from ajet_hpc.config.fields import BUILTIN_MODELS, slurm_memory_mb, slurm_time_minutes
 from ajet_hpc.config.load import (
@@ -10,17 +12,11 @@ from ajet_hpc.config.load import (
     validate_topology,
 )
 from ajet_hpc.config.overrides import apply_overrides
-from ajet_hpc.config.topology import (
-    ClientGroupConfig,
-    ClusterConfig,
-    MergeConfig,
-    RunConfig,
-    ServerConfig,
-    ServingConfig,
-    StoreConfig,
-    Topology,
-    TrainerConfig,
-)
+from ajet_hpc.config.run import ClusterConfig, RunConfig
+from ajet_hpc.config.server import ServerConfig
+from ajet_hpc.config.store import StoreConfig
+from ajet_hpc.config.topology import Topology
+from ajet_hpc.config.trainer import MergeConfig, TrainerConfig
 
 __all__ = [
     "BUILTIN_MODELS",

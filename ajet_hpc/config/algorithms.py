@@ -1,16 +1,41 @@
-"""The algorithms of ``trainer.algorithm`` as settings of the trainer's shared pieces (docs/algorithms.md).
+"""The algorithms of ``trainer.algorithm``: one object each, with its settings, defaults and checks.
 
 Plain data, so that the launcher can check a topology against it before anything is submitted (and
-without the tensor code); the maths of each algorithm is in its module of ``ajet_hpc.algo``.
+without the tensor code); the maths of each algorithm is in its module of ``ajet_hpc.algo``. A trainer
+config gives its algorithm as ``TrainerConfig.spec`` (looked up here, once), checks itself against it
+with :meth:`Algorithm.issues` (``config.rules``) and fills in its defaults with :meth:`Algorithm.defaults`
+(``TrainerConfig.resolved``); docs/algorithms.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, get_args
 
-LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+from ajet_hpc.config.errors import ConfigIssue
+
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"]
+"""The policy-optimisation algorithms of ``trainer.algorithm`` (``ajet_hpc/algo/``, docs/algorithms.md)."""
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 Baseline = Literal["group_std", "group_mean", "leave_one_out"]
+
+
+class TrainerSettings(Protocol):
+    """What an algorithm reads of a trainer config (``config.trainer.TrainerConfig``, which imports this
+    module)."""
+
+    @property
+    def algorithm(self) -> str: ...
+    @property
+    def loss_agg(self) -> str | None: ...
+    @property
+    def skip_equal_groups(self) -> bool: ...
+    @property
+    def batch_policy(self) -> str: ...
+    @property
+    def model_fields_set(self) -> Set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +63,43 @@ class Algorithm:
     def __post_init__(self) -> None:
         if self.loss_agg not in self.loss_aggs or not set(self.loss_aggs) <= set(LOSS_AGGS):
             raise ValueError(f"{self.name}: loss_agg {self.loss_agg!r} is not among {self.loss_aggs}")
+
+    def defaults(self, trainer: TrainerSettings) -> dict[str, object]:
+        """The fields of ``trainer`` this algorithm fills where the config leaves them unset: its clip
+        range (``clip_eps``, ``clip_eps_high``, each unless the config sets it) and its ``loss_agg``."""
+        update: dict[str, object] = {}
+        if self.clip is not None:
+            low, high = self.clip
+            if "clip_eps" not in trainer.model_fields_set:
+                update["clip_eps"] = low
+            if "clip_eps_high" not in trainer.model_fields_set:
+                update["clip_eps_high"] = high
+        if trainer.loss_agg is None:
+            update["loss_agg"] = self.loss_agg
+        return update
+
+    def issues(self, where: str, trainer: TrainerSettings) -> list[ConfigIssue]:
+        """What ``trainer`` (at path ``where``) sets that this algorithm cannot run with: a ``loss_agg`` it
+        is not defined with (GSPO's loss is a mean over sequences), and for DAPO a batch without the
+        dynamic sampling it is defined with."""
+        issues = []
+        if trainer.loss_agg is not None and trainer.loss_agg not in self.loss_aggs:
+            issues.append(
+                ConfigIssue(
+                    f"{where}.loss_agg",
+                    f"algorithm {self.name!r} is defined with loss_agg {' or '.join(self.loss_aggs)}, "
+                    f"not {trainer.loss_agg!r}: drop {where}.loss_agg or pick another algorithm",
+                )
+            )
+        if self.group_filter and not (trainer.skip_equal_groups and trainer.batch_policy == "tasks"):
+            issues.append(
+                ConfigIssue(
+                    f"{where}.skip_equal_groups",
+                    f"algorithm {self.name!r} refills a batch with task groups whose rewards differ: it "
+                    f"needs {where}.skip_equal_groups: true and {where}.batch_policy: tasks",
+                )
+            )
+        return issues
 
 
 _ALL = (

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from ajet_hpc.config.errors import ConfigIssue
-from ajet_hpc.config.fields import Name, TaskSource
+from ajet_hpc.config.fields import MODEL_CONFIG, Name, TaskSource
 
 EVAL_SUFFIX = "-eval"
 """The eval group of client group ``g`` is ``g-eval`` (its jobs, its store folder, its episodes' group)."""
@@ -25,7 +24,7 @@ EVAL_SUFFIX = "-eval"
 class EvalConfig(BaseModel):
     """Held-out evaluation of a client group's agent, on the current policy, during training."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = MODEL_CONFIG
 
     tasks: TaskSource = Field(
         description="Held-out task source ('builtin:<name>', 'reasoning_gym:<dataset>', a '.jsonl' path or "
@@ -80,29 +79,8 @@ def eval_group_name(group: str) -> str:
     return group + EVAL_SUFFIX
 
 
-# The functions below take the topology's models (``config.topology`` imports this module, so they are
-# typed ``Any`` here): ``group`` is a ``ClientGroupConfig``, ``topology`` a ``Topology``.
-
-
-def eval_group(group: Any) -> Any:
-    """The client group that runs ``group``'s evaluation: its agent, runtime and resources, the held-out
-    tasks once each (``samples_per_task`` repeats), its own array."""
-    ev = group.eval
-    if ev is None:
-        raise ValueError(f"client group {group.name} has no eval block")
-    return group.model_copy(
-        update={
-            "name": eval_group_name(group.name),
-            "tasks": ev.tasks,
-            "array": ev.array,
-            "in_flight": ev.in_flight,
-            "max_tasks": ev.max_tasks,
-            "repeats": ev.samples_per_task,
-            "epochs": 1,
-            "ratio": None,
-            "eval": None,
-        }
-    )
+# ``evaluated_model`` takes the topology's models (``config.clients`` imports this module, so they are typed
+# ``Any`` here): ``group`` is a ``ClientGroupConfig``, ``topology`` a ``Topology``.
 
 
 def evaluated_model(topology: Any, group: Any) -> str | None:
@@ -114,50 +92,3 @@ def evaluated_model(topology: Any, group: Any) -> str | None:
         if topology.server(name).trainer is not None:
             return name
     return None
-
-
-def eval_issues(topology: Any) -> list[ConfigIssue]:
-    """Eval blocks that cannot work: a model the group does not use, or one that does not train (no
-    steps to follow), and an eval group name that another group already has."""
-    issues = []
-    names = {c.name for c in topology.clients}
-    for i, group in enumerate(topology.clients):
-        ev = group.eval
-        if ev is None:
-            continue
-        where = f"clients[{i}].eval"
-        if eval_group_name(group.name) in names:
-            issues.append(
-                ConfigIssue(
-                    where,
-                    f"the eval group of {group.name!r} is called {eval_group_name(group.name)!r}, the name "
-                    "of another client group: rename that group",
-                )
-            )
-        if ev.model is not None and ev.model not in group.servers:
-            issues.append(
-                ConfigIssue(
-                    f"{where}.model",
-                    f"model {ev.model!r} is not one of the group's servers ({', '.join(group.servers)})",
-                )
-            )
-            continue
-        model = evaluated_model(topology, group)
-        known = {m.name for m in topology.models}
-        if model is not None and model in known and topology.server(model).trainer is None:
-            issues.append(
-                ConfigIssue(
-                    f"{where}.model",
-                    f"model {model!r} does not train: eval rounds follow a trained model's steps; name one "
-                    "that trains, or use `ajet-hpc eval` to evaluate a served model",
-                )
-            )
-        elif model is None and all(s in known for s in group.servers):
-            issues.append(
-                ConfigIssue(
-                    where,
-                    f"none of the group's servers ({', '.join(group.servers)}) trains: eval rounds follow a "
-                    "trained model's steps",
-                )
-            )
-    return issues

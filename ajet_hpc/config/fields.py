@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny", "tiny-qwen")
@@ -232,3 +232,6 @@ SbatchValue = Annotated[str | int, BeforeValidator(_check_sbatch_value)]
 SbatchKey = Annotated[str, AfterValidator(_check_sbatch_key)]
 SbatchOptions = dict[SbatchKey, SbatchValue]
 NotBool = BeforeValidator(_reject_bool)
+
+MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, strict=True)
+"""Every config model's: frozen, unknown keys refused, strict (an int is not ``"3"`` nor ``true``)."""

@@ -8,9 +8,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ajet_hpc.config.clients import ClientGroupConfig
 from ajet_hpc.config.errors import ROOT, ConfigError, ConfigIssue, issues_from_validation_error
 from ajet_hpc.config.overrides import apply_overrides
-from ajet_hpc.config.topology import ClientGroupConfig, ServerConfig, Topology
+from ajet_hpc.config.server import ServerConfig
+from ajet_hpc.config.topology import Topology
 from ajet_hpc.config.yaml_io import parse_yaml, to_yaml
 
 

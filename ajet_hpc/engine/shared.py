@@ -68,7 +68,7 @@ class SharedModel:
         await self.shared.load_adapter(self.adapter, Path(path), version, tag)
 
     async def sleep(self) -> float:
-        return 0.0  # placement colocate is refused for a server with adapters (config.topology)
+        return 0.0  # placement colocate is refused for a server with adapters (config.rules)
 
     async def wake_up(self) -> float:
         return 0.0

@@ -26,7 +26,6 @@ from ajet_hpc.config import (
     dump_topology,
     load_topology,
 )
-from ajet_hpc.config.topology import server_placement
 from ajet_hpc.launch import registry, runtimes, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import TaskState, task_states
@@ -193,7 +192,7 @@ def launch(args: argparse.Namespace) -> int:
         for server in topology.servers:
             size = f"{server.nodes} node(s) x {server.gpus_per_node} GPU(s)"
             print(f"placement of server {server.name} ({size}, {server.placement}):")
-            for line in server_placement(server).describe():
+            for line in server.placement_plan().describe():
                 print(f"  {line}")
         print(f"dry run: {len(plan)} job(s) for run directory {run.root}; nothing submitted or written")
         return 0

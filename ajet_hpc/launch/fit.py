@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ajet_hpc.config import ConfigIssue, ServerConfig, Topology
-from ajet_hpc.config.topology import server_placement
 from ajet_hpc.engine.adapter import adapter_parameters
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ def server_fit_issues(
     adapters runs one set of trainer ranks per trained model on the same GPUs: their states add up."""
     if server.gpus_per_node == 0:
         return []
-    placement = server_placement(server)
+    placement = server.placement_plan()
     vllm, gpu = server.vllm, server.gpu_memory_gib * GIB
     dtype = "bfloat16" if vllm.dtype == "auto" else vllm.dtype
     weights = size.parameters * _DTYPE_BYTES[dtype]

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from ajet_hpc.config import ConfigIssue, ServerConfig, Topology
-from ajet_hpc.config.topology import lora_rank_limit
 from ajet_hpc.engine.adapter import ADAPTER_CONFIG, linear_module_names
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import resolve_kind
@@ -78,7 +77,7 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
                         "linear layer named: an adapter of another base model?",
                     )
                 )
-        limit = lora_rank_limit(server, ranks)
+        limit = server.lora_rank_limit(ranks)
         if limit is not None and rank > limit:
             issues.append(
                 ConfigIssue(

@@ -22,14 +22,6 @@ from typing import Any, Literal
 from ajet_hpc.config import ServerConfig, Topology
 from ajet_hpc.config.evaluation import EvalConfig, eval_group_name, evaluated_model
 from ajet_hpc.config.placement import Placement, select_devices, visible_devices
-from ajet_hpc.config.topology import (
-    co_trained,
-    lora_rank_limit,
-    lora_slots,
-    mix_of,
-    repeats_feeding,
-    server_placement,
-)
 from ajet_hpc.engine.adapter import adapter_rank, write_initial_adapter
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.engine.model_path import resolve_model
@@ -77,7 +69,7 @@ def assemble(
     context = JobContext(engine=engine, secret=run.read_secret(), job_id=job.environment.job_id)
     contexts = []
     for model in models:
-        own = dataclasses.replace(parts, placement=server_placement(model))  # its trainer's ranks
+        own = dataclasses.replace(parts, placement=model.placement_plan())  # its trainer's ranks
         url = job.public_url if len(models) == 1 else f"{job.public_url}{MODEL_PREFIX}{model.name}"
         sync = decide(model.trainer, own.placement, kind)
         contexts.append(model_context(own, model, context, views.get(model.name), sync, url))
@@ -106,9 +98,9 @@ def _engine(
         for name, lora in config.lora_models()
     }
     frozen = {name: str(Path(folder).expanduser().resolve()) for name, folder in config.frozen_adapters()}
-    limit = lora_rank_limit(config, [adapter_rank(Path(folder)) for folder in frozen.values()])
+    limit = config.lora_rank_limit([adapter_rank(Path(folder)) for folder in frozen.values()])
     adapters = {**trained, **frozen}
-    settings.update(lora_adapters=tuple(adapters.items()), max_loras=lora_slots(config), max_lora_rank=limit)
+    settings.update(lora_adapters=tuple(adapters.items()), max_loras=config.lora_slots(), max_lora_rank=limit)
     engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
     views: dict[str, Engine] = {}
@@ -127,7 +119,7 @@ def _job_parts(
 ) -> tuple[_Parts, Literal["vllm", "transformers"]]:
     """What every model of the server job shares, its placement logged and the engine shown only its
     GPUs; and the engine's kind."""
-    placement = server_placement(server)
+    placement = server.placement_plan()
     for line in placement.describe():
         log.info("placement: %s", line)
     step_env = bind_engine_gpus(placement, os.environ)
@@ -178,8 +170,8 @@ def model_context(
             placement=parts.placement,
             sync=sync,
             receiver=engine if sync.in_memory and isinstance(engine, VllmEngine) else None,
-            mix=mix_of(topology, config.name),
-            repeats_of=repeats_feeding(topology, config.name),
+            mix=topology.mix_of(config.name),
+            repeats_of=topology.repeats_feeding(config.name),
             ended_count=ctx.episodes.ended_count,
             sources_ended=lambda: sources_ended(run, topology, config.name),
             rank_env=parts.step_env,
@@ -188,7 +180,7 @@ def model_context(
             evaluation=ctx.evaluation,
         )
         ctx.attach_trainer(Coordinator(ctx, setup))
-    partners = co_trained(topology, config.name)
+    partners = topology.co_trained(config.name)
     if partners:
         ctx.partners_done = lambda: all(
             (found := rendezvous.read(run.rendezvous_file(name))) is not None
@@ -261,8 +253,8 @@ def lora_settings(config: ServerConfig, model_path: Path, kind: Literal["vllm", 
     folder = _node_local(f"ajet-{config.name}-lora-v0-")
     settings: dict[str, Any] = {"lora_adapter": str(write_initial_adapter(model_path, lora, folder))}
     if kind == "vllm":
-        settings["max_loras"] = lora_slots(config)
-        settings["max_lora_rank"] = lora_rank_limit(config)
+        settings["max_loras"] = config.lora_slots()
+        settings["max_lora_rank"] = config.lora_rank_limit()
     log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, config.name)
     return settings
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.config.topology import StoreConfig
+from ajet_hpc.config.store import StoreConfig
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter, UnstorableRecord
 from ajet_hpc.storage.records import EpisodeRecord, StepRecord
 

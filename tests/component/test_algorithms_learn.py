@@ -26,11 +26,10 @@ from ajet_hpc.algo.sample_tensors import collate
 from ajet_hpc.builtin_tasks import arithmetic
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.algorithms import ALGORITHMS
-from ajet_hpc.config.topology import ServingConfig
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
 from ajet_hpc.trainer.coordinator.collector import Batch
 from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
 from ajet_hpc.trainer.ranks import zero
@@ -111,7 +110,7 @@ def train(model_dir: Path, name: str, seed: int = 1) -> list[float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     settings = {"algorithm": name, **SETTINGS.get(name, {})}
-    config = resolve(TrainerConfig.model_validate(settings), ServingConfig(max_tokens=MAX_TOKENS))
+    config = TrainerConfig.model_validate(settings).resolved(ServingConfig(max_tokens=MAX_TOKENS))
     objective = Objective.of(config)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=0.003, betas=zero.ADAM_BETAS, eps=zero.ADAM_EPS, weight_decay=zero.WEIGHT_DECAY

@@ -21,8 +21,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.config.engine import ServingConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.config.placement import cpu_placement
-from ajet_hpc.config.topology import LoraConfig, TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, is_adapter, write_initial_adapter
 from ajet_hpc.engine.base import EngineError, SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
@@ -147,7 +149,7 @@ def test_engines_serve_each_trained_adapter_as_peft_computes_it(
     )
     config = TrainerConfig(
         zero_stage=stage, ranks=ranks, lr=5e-2, micro_batch_tokens=64, kl_coef=0.05, lora=LORA
-    )
+    ).resolved(ServingConfig())
     base_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     seen: list[list[float]] = []
     trained: dict[str, torch.Tensor] = {}

@@ -16,8 +16,7 @@ from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.algorithms import ALGORITHMS
-from ajet_hpc.config.topology import ServingConfig
-from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.trainer.ranks.step import model_inputs
 
 
@@ -188,7 +187,7 @@ def test_every_algorithm_trains_merged_samples_like_the_calls_they_came_from(tin
     layouts = {"calls": per_call, "linear": linear, "tree": [merge.pack_tree(linear)]}
     for name, settings in OBJECTIVES.items():
         objective = Objective.of(
-            resolve(TrainerConfig.model_validate(settings), ServingConfig(max_tokens=16))
+            TrainerConfig.model_validate(settings).resolved(ServingConfig(max_tokens=16))
         )
         divisors = {objective.divisor(samples) for samples in layouts.values()}
         assert len(divisors) == 1, (name, divisors)

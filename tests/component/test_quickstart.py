@@ -192,7 +192,7 @@ def test_two_adapters_of_one_base_train_on_one_server(tmp_path: Path, tiny_model
     frozen adapter from a folder are more models of the server, and each adapter exports on its own."""
     import yaml
 
-    from ajet_hpc.config.topology import LoraConfig
+    from ajet_hpc.config.lora import LoraConfig
     from ajet_hpc.engine.adapter import write_initial_adapter
     from ajet_hpc.storage import rendezvous
     from ajet_hpc.storage.client_store import read_results

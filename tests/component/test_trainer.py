@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
 from ajet_hpc.algo.sample_tensors import Sample, collate
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.config.placement import cpu_placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.rank_launcher import hostfile_lines, rank_command, start_ranks
@@ -319,7 +320,7 @@ def check_against_reference(
 def test_zero2_matches_one_process_and_resumes_from_its_checkpoint(
     tiny_model: Path, batches: list[list[Sample]], tmp_path: Path
 ) -> None:
-    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET)
+    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET).resolved(ServingConfig())
     initial = weights_of(tiny_model)
     first = Ranks(tmp_path, tiny_model, config)
     try:
@@ -405,7 +406,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_trusted(
 
     import psutil
 
-    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET)
+    config = TrainerConfig(zero_stage=2, ranks=2, lr=LR, micro_batch_tokens=BUDGET).resolved(ServingConfig())
     work = WorkDir(tmp_path)
     caught = None
     for _attempt in range(3):
@@ -457,7 +458,7 @@ def test_zero3_trains_and_syncs_weights_into_the_vllm_engine(
 
     config = TrainerConfig(
         zero_stage=3, ranks=2, lr=LR, micro_batch_tokens=BUDGET, kl_coef=0.05, recompute_logprobs=True
-    )
+    ).resolved(ServingConfig())
     ranks = Ranks(tmp_path, tiny_model, config)
     try:
         result = ranks.step(1, batches[0])

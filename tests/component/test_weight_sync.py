@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.config.placement import cpu_placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.base import SamplingParams, generate_all
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.process_tree import kill_tree
@@ -145,7 +146,9 @@ def test_memory_sync_gives_the_engine_what_a_disk_reload_gives_untied_zero2(
 
 def memory_equals_disk(loop, engine, model: Path, stage: Literal[1, 2, 3], tmp_path: Path) -> None:
     """STEPS steps sent in memory, then the same from disk: the engine answers the same each step."""
-    config = TrainerConfig(zero_stage=stage, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1)
+    config = TrainerConfig(
+        zero_stage=stage, ranks=2, lr=3e-3, micro_batch_tokens=64, weight_sync_bucket_mb=1
+    ).resolved(ServingConfig())
     memory = loop.run_until_complete(train(engine, model, tmp_path / "memory", config, memory=True))
     loop.run_until_complete(engine.load_weights(model, 0))  # back to the initial weights
     disk = loop.run_until_complete(train(engine, model, tmp_path / "disk", config, memory=False))
@@ -191,7 +194,7 @@ def test_a_sender_killed_midway_fails_the_step_within_the_timeout(
         micro_batch_tokens=64,
         weight_sync_bucket_mb=1,
         weight_sync_timeout_s=timeout_s,
-    )
+    ).resolved(ServingConfig())
     work = tmp_path / "killed"
     env = {**os.environ, fault_injection.SYNC_STALL_BUCKET: "1"}
 

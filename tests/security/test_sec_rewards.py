@@ -17,7 +17,6 @@ from server_harness import Harness
 from support import topology_dict
 
 from ajet_hpc.config import TrainerConfig, load_topology
-from ajet_hpc.config.topology import server_placement
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.tiny import build_tokenizer
 from ajet_hpc.server.episodes import FINISHED, Episode
@@ -147,7 +146,7 @@ def test_the_coordinator_skips_a_batch_it_cannot_build_and_reports_it_with_the_n
         model_path=Path("unused"),
         run=RunDir(tmp_path / "run"),
         on_slurm=False,
-        placement=server_placement(config),
+        placement=config.placement_plan(),
         sync=DISK,
     )
     coordinator = Coordinator(server.ctx, setup)

@@ -11,7 +11,6 @@ import pytest
 from test_fit import QWEN_7B, write_model
 
 from ajet_hpc.config import ConfigError, load_topology
-from ajet_hpc.config.topology import lora_rank_limit, lora_slots
 from ajet_hpc.launch.cli import main
 from ajet_hpc.launch.fit import fit_issues
 from ajet_hpc.launch.plan import HetJobSpec, build_plan
@@ -58,7 +57,7 @@ def test_a_server_with_adapters_is_one_job_of_several_models() -> None:
     assert {topology.host_of(n).name for n in ("base", "proposer", "solver", "judge")} == {"base"}
     host = topology.servers[0]
     assert [name for name, _ in host.lora_models()] == ["proposer", "solver"]
-    assert lora_rank_limit(host) == 16 and lora_slots(host) == 2  # the largest rank; one slot per adapter
+    assert host.lora_rank_limit() == 16 and host.lora_slots() == 2  # the largest rank; one slot per adapter
     assert [job.name for job in build_plan(topology)] == ["server-base", "clients-pairs"]
     (hetjob,) = build_plan(topology, hetjob=True)  # the group uses only models of this server: it rides along
     assert isinstance(hetjob, HetJobSpec) and [c.target for c in hetjob.components] == ["base", "pairs"]
@@ -153,7 +152,7 @@ def test_a_frozen_adapter_is_served_from_its_folder_and_checked_before_submittin
     """``adapter: FOLDER`` with ``trainer: null`` serves that folder frozen (it takes a LoRA slot); a
     folder that is not there, of a rank above the engine's, or of layers the model lacks exits 2, and a
     trained adapter cannot start from a folder."""
-    from ajet_hpc.config.topology import LoraConfig
+    from ajet_hpc.config.lora import LoraConfig
     from ajet_hpc.engine.adapter import write_initial_adapter
     from ajet_hpc.engine.model_path import resolve_model
 
@@ -161,8 +160,8 @@ def test_a_frozen_adapter_is_served_from_its_folder_and_checked_before_submittin
     rank32 = write_initial_adapter(model, LoraConfig(rank=32), tmp_path / "rank32")
     frozen = {"name": "opponent", "trainer": None, "adapter": str(rank32)}
     host = load_topology(swarm(adapters=[{"name": "proposer"}, {"name": "solver"}, frozen])).servers[0]
-    assert host.frozen_adapters() == [("opponent", str(rank32))] and lora_slots(host) == 3
-    assert lora_rank_limit(host, [32]) == 32  # the frozen adapter's rank, read from its folder
+    assert host.frozen_adapters() == [("opponent", str(rank32))] and host.lora_slots() == 3
+    assert host.lora_rank_limit([32]) == 32  # the frozen adapter's rank, read from its folder
 
     with pytest.raises(
         ConfigError, match=r"adapters\[0\]\.adapter: adapter 'proposer' trains from version 0"

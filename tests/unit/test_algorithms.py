@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -19,12 +19,12 @@ import torch
 from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.sample_tensors import Sample, collate
 from ajet_hpc.config import ConfigError, MergeConfig, TrainerConfig, load_topology
-from ajet_hpc.config.algorithms import ALGORITHMS, algorithm
-from ajet_hpc.config.topology import OverlongConfig, ServingConfig
+from ajet_hpc.config.algorithms import ALGORITHMS, AlgorithmName, algorithm
+from ajet_hpc.config.engine import ServingConfig
+from ajet_hpc.config.trainer import OverlongConfig
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline
-from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
 from ajet_hpc.trainer.coordinator.collector import Batch
 from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples
 
@@ -130,7 +130,7 @@ def test_grpo_dapo_rloo_and_reinforce_pp_share_the_token_mean_clipped_loss() -> 
     by_hand = (-math.exp(0.1) - 1.28 - 1.0 + 0.4 + 0.5 * math.exp(0.05) - 2 * math.exp(-0.1) - 2 * 1.28) / 7
     close(want_loss, by_hand)
     for name in ("grpo", "dapo", "rloo", "reinforce_pp"):
-        loss, grads, part = run(Objective.of(resolve(TrainerConfig(algorithm=name), ServingConfig())))
+        loss, grads, part = run(Objective.of(TrainerConfig(algorithm=name).resolved(ServingConfig())))
         close(loss, want_loss)
         close_grads(grads, want_grads)
         assert part.metrics["tokens"] == 7
@@ -138,7 +138,7 @@ def test_grpo_dapo_rloo_and_reinforce_pp_share_the_token_mean_clipped_loss() -> 
 
 def test_dr_grpo_divides_each_sequence_token_sum_by_a_constant() -> None:
     """``Σ_t ℓ_t / (L S)``: L = token_sum_norm, S = 3 sequences."""
-    config = TrainerConfig(algorithm="dr_grpo", token_sum_norm=16)
+    config = TrainerConfig(algorithm="dr_grpo", token_sum_norm=16).resolved(ServingConfig())
     loss, grads, _ = run(Objective.of(config))
     terms = {token: clipped(log_ratio(token), adv(token)) for token in tokens()}
     close(loss, sum(v for v, _ in terms.values()) / (16 * 3))
@@ -147,7 +147,11 @@ def test_dr_grpo_divides_each_sequence_token_sum_by_a_constant() -> None:
 
 def test_seq_mean_token_mean_averages_each_answer_then_the_answers() -> None:
     """GRPO's token ratio with ``loss_agg: seq_mean_token_mean``: ``1/S Σ_s 1/|s| Σ_{t in s} ℓ_t``."""
-    loss, grads, _ = run(Objective.of(TrainerConfig(algorithm="grpo", loss_agg="seq_mean_token_mean")))
+    loss, grads, _ = run(
+        Objective.of(
+            TrainerConfig(algorithm="grpo", loss_agg="seq_mean_token_mean").resolved(ServingConfig())
+        )
+    )
     want_loss, want_grads = 0.0, {}
     for seq in SEQUENCES:
         for token in seq:
@@ -160,8 +164,8 @@ def test_seq_mean_token_mean_averages_each_answer_then_the_answers() -> None:
 
 def test_gspo_clips_the_length_normalised_sequence_ratio() -> None:
     """``s = exp(mean_t log r_t)`` per sequence, ``1/S Σ_s -min(s A, clip(s) A)``; each token's gradient
-    is ``1/|s|`` of its sequence's. GSPO's own clip range, (3e-4, 4e-4), comes from ``resolve``."""
-    config = resolve(TrainerConfig(algorithm="gspo"), ServingConfig())
+    is ``1/|s|`` of its sequence's. GSPO's own clip range, (3e-4, 4e-4), comes from ``resolved``."""
+    config = TrainerConfig(algorithm="gspo").resolved(ServingConfig())
     assert (config.clip_eps, config.clip_eps_high) == (3e-4, 4e-4)
     # the clip range is so narrow that every sequence but the one at ratio 1 clips: widen it to see both
     wide = Objective.of(config.model_copy(update={"clip_eps": 0.2, "clip_eps_high": 0.28}))
@@ -192,7 +196,7 @@ def corrected(mode: str, level: str) -> Objective:
                 "recompute_logprobs": True,
                 "off_policy": {"mode": mode, "level": level, "cap": 1.25, "low": 0.8, "high": 1.25},
             }
-        )
+        ).resolved(ServingConfig())
     )
 
 
@@ -254,7 +258,7 @@ def test_a_stale_half_of_the_batch_is_reweighted_and_the_fresh_half_is_not(mode:
         objective = Objective.of(
             TrainerConfig.model_validate(
                 {"recompute_logprobs": True, "off_policy": {"mode": mode, "level": level}}
-            )
+            ).resolved(ServingConfig())
         )
         lp = torch.tensor([[0.0, -1.0, -2.0]] * rows, requires_grad=True)
         part = objective.micro_loss(lp, batch, float(objective.divisor(batch_samples)))
@@ -360,22 +364,24 @@ def test_dapo_overlong_shaping_lowers_the_reward_of_long_answers() -> None:
 # ---- settings and config errors --------------------------------------------------------------------------
 
 
-def test_resolve_fills_what_the_topology_leaves_unset() -> None:
+def test_resolved_fills_what_the_topology_leaves_unset() -> None:
     serving = ServingConfig(max_tokens=96)
-    plain = resolve(TrainerConfig(overlong=OverlongConfig()), serving)
+    plain = TrainerConfig(overlong=OverlongConfig()).resolved(serving)
     assert plain.token_sum_norm == 96 and plain.overlong is not None and plain.overlong.max_tokens == 96
     assert (plain.clip_eps, plain.clip_eps_high) == (0.2, 0.28)
-    kept = resolve(
-        TrainerConfig(
-            algorithm="gspo", clip_eps=0.01, token_sum_norm=7, overlong=OverlongConfig(max_tokens=5)
-        ),
-        serving,
-    )
+    kept = TrainerConfig(
+        algorithm="gspo", clip_eps=0.01, token_sum_norm=7, overlong=OverlongConfig(max_tokens=5)
+    ).resolved(serving)
     assert (kept.clip_eps, kept.clip_eps_high, kept.token_sum_norm) == (0.01, 4e-4, 7)
     assert kept.overlong is not None and kept.overlong.max_tokens == 5
-    assert Objective.of(resolve(TrainerConfig(algorithm="gspo"), serving)).loss_agg == "seq_mean_token_mean"
-    assert Objective.of(TrainerConfig(algorithm="dr_grpo")).loss_agg == "seq_mean_token_sum"
+    assert Objective.of(TrainerConfig(algorithm="gspo").resolved(serving)).loss_agg == "seq_mean_token_mean"
+    assert Objective.of(TrainerConfig(algorithm="dr_grpo").resolved(serving)).loss_agg == "seq_mean_token_sum"
+    assert plain.loss_agg == "token_mean" and kept.loss_agg == "seq_mean_token_mean"  # the algorithm's
+    assert plain.resolved(serving) == plain  # resolving twice changes nothing
+    with pytest.raises(ValueError, match="resolved"):  # the algorithm's defaults are filled in one place
+        Objective.of(TrainerConfig(algorithm="dr_grpo"))
     assert set(ALGORITHMS) == {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"}
+    assert set(get_args(AlgorithmName)) == set(ALGORITHMS)  # the config's choices are the algorithms
     with pytest.raises(KeyError, match="algorithms are: grpo"):
         algorithm("ppo")
 

@@ -28,7 +28,6 @@ from ajet_hpc.config import (
     slurm_memory_mb,
     slurm_time_minutes,
 )
-from ajet_hpc.config.topology import mix_of
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 DELETE = object()
@@ -561,7 +560,7 @@ def test_client_group_ratios_must_cover_a_server_and_sum_to_one() -> None:
     second = {"name": "tools", "agent": "pkg.agents:other", "tasks": "builtin:guess", "servers": ["policy"]}
     good = edited((("clients", 0, "ratio"), 0.7), (("clients", 1), {**second, "ratio": 0.3}))
     topology = load_topology(good)
-    assert mix_of(topology, "policy") == {"math": 0.7, "tools": 0.3}
+    assert topology.mix_of("policy") == {"math": 0.7, "tools": 0.3}
 
     with pytest.raises(ConfigError) as info:
         load_topology(edited((("clients", 0, "ratio"), 0.7), (("clients", 1), second)))

@@ -11,7 +11,7 @@ import pytest
 from test_fit import QWEN_7B, topology, write_model
 
 from ajet_hpc.config import ConfigError, load_topology
-from ajet_hpc.config.topology import LoraConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.engine.adapter import adapter_parameters
 from ajet_hpc.launch.cli import main
 from ajet_hpc.launch.fit import fit_issues, trainer_bytes_per_rank

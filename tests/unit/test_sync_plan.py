@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ajet_hpc.config import TrainerConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.config.placement import PlacementMode, cpu_placement, plan_placement
-from ajet_hpc.config.topology import LoraConfig
 from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan, decide
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"

@@ -46,8 +46,10 @@ import psutil
 import torch
 from weight_sync import SHAPES, backend_of, batch, build
 
+from ajet_hpc.config.engine import ServingConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.config.placement import cpu_placement
-from ajet_hpc.config.topology import LoraConfig, TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.adapter import ADAPTER_WEIGHTS, write_initial_adapter
 from ajet_hpc.engine.shared import SharedModel
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
@@ -81,7 +83,7 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> tuple[l
         )
     engine = VllmEngine(model, settings)
     await engine.start()
-    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=lora)
+    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=lora).resolved(ServingConfig())
     sync, server = DISK, None
     if lora is None:
         sync = SyncPlan(backend, 1)
@@ -144,7 +146,7 @@ async def others(engine: VllmEngine, model: Path, work: Path, names: list[str]) 
     """The rest of the swarm beside agent0 (whose ranks stay up): a rank of its own for each adapter of
     ``names``, one step each, its adapter loaded into the engine as a `SharedModel`; then the memory of
     all of it, every rank alive."""
-    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=LORA)
+    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=LORA).resolved(ServingConfig())
     procs = []
     try:
         channels = []

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from ajet_hpc.algo import merge  # noqa: E402
 from ajet_hpc.algo.sample_tensors import Sample  # noqa: E402
-from ajet_hpc.config import TrainerConfig  # noqa: E402
+from ajet_hpc.config import ServingConfig, TrainerConfig  # noqa: E402
 from ajet_hpc.config.placement import cpu_placement  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
 from ajet_hpc.trainer.coordinator.channel import TrainerChannel  # noqa: E402
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     }
     config = TrainerConfig(
         zero_stage=2, ranks=1, lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, total_steps=10**6
-    )
+    ).resolved(ServingConfig())
     log_path = work / "ranks.log"
     process = start_ranks(
         work / "trainer", model, config, on_slurm=False, placement=cpu_placement(1), log_path=log_path

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from ajet_hpc.algo.grpo import entropy_from_logits, policy_loss, token_logprobs  # noqa: E402
 from ajet_hpc.algo.output_layer import model_logprobs  # noqa: E402
 from ajet_hpc.algo.sample_tensors import Sample, collate, pack_micro_batches  # noqa: E402
-from ajet_hpc.config.topology import TrainerConfig  # noqa: E402
+from ajet_hpc.config.trainer import TrainerConfig  # noqa: E402
 from ajet_hpc.engine import tiny_qwen  # noqa: E402
 from ajet_hpc.trainer.ranks.step import model_inputs  # noqa: E402
 

@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from ajet_hpc.algo.sample_tensors import Sample
+from ajet_hpc.config.engine import ServingConfig
 from ajet_hpc.config.placement import PlacementMode, cpu_placement, plan_placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 from ajet_hpc.process_tree import kill_tree
@@ -109,7 +110,9 @@ def batch(step: int) -> list[Sample]:
 
 
 async def run_path(engine: VllmEngine, model: Path, work: Path, args, memory: bool) -> list[dict]:
-    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, weight_sync_bucket_mb=args.bucket_mb)
+    config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, weight_sync_bucket_mb=args.bucket_mb).resolved(
+        ServingConfig()
+    )
     sync, server = DISK, None
     if memory:
         sync = SyncPlan(backend_of(args.device), 1)

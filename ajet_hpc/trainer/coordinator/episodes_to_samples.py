@@ -35,8 +35,8 @@ from ajet_hpc.algo.merge import MergeStats, Snap
 from ajet_hpc.algo.reinforce_pp import whiten_stats
 from ajet_hpc.algo.sample_tensors import ARRAY_TYPES, Sample, as_arrays, binary_runs, trained_count
 from ajet_hpc.config import MergeConfig, TrainerConfig
-from ajet_hpc.config.algorithms import Baseline, algorithm
-from ajet_hpc.config.topology import OverlongConfig
+from ajet_hpc.config.algorithms import Baseline
+from ajet_hpc.config.trainer import OverlongConfig
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import TEMPLATE_DROPPED_CONTENT, Timeline
 from ajet_hpc.trainer.coordinator.collector import Batch
@@ -173,7 +173,7 @@ def _build(
     groups: list[list[EpisodeData]], config: TrainerConfig, decode: Callable[[list[int]], str] | None
 ) -> tuple[list[Sample], MergeStats]:
     per_call = []
-    spec = algorithm(config.algorithm)
+    spec = config.spec
     for group in groups:
         with _blame(group, "the task group's advantages"):
             built, finite = _call_samples(group, config.turn_gamma, spec.baseline, config.overlong)

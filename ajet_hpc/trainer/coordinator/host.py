@@ -26,7 +26,6 @@ from ajet_hpc.config.placement import Placement
 from ajet_hpc.engine.base import Engine
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.storage.rundir import RunDir
-from ajet_hpc.trainer.coordinator.algorithm_settings import resolve
 from ajet_hpc.trainer.coordinator.evaluation import EvalRounds
 from ajet_hpc.trainer.coordinator.experiment_trackers import Trackers
 from ajet_hpc.trainer.protocol.sync_plan import SyncPlan
@@ -101,7 +100,7 @@ class TrainerSetup:
     model_path: Path  # the base model folder the ranks start from
     run: RunDir
     on_slurm: bool
-    placement: Placement  # where the ranks run (``config.topology.server_placement``)
+    placement: Placement  # where the ranks run (``ServerConfig.placement_plan``)
     sync: SyncPlan  # how weights reach the engine (``sync_plan.decide``)
     receiver: WeightReceiver | None = None  # the engine, when ``sync`` is in memory
     mix: dict[str, float] | None = None  # client group -> share of each batch's tasks
@@ -126,6 +125,6 @@ class TrainerSetup:
     @cached_property
     def trainer(self) -> TrainerConfig:
         """The server's trainer settings, with its algorithm's and serving's defaults filled in
-        (``ajet_hpc.trainer.coordinator.algorithm_settings``)."""
+        (``TrainerConfig.resolved``)."""
         assert self.server.trainer is not None  # checked in __post_init__
-        return resolve(self.server.trainer, self.server.serving)
+        return self.server.trainer.resolved(self.server.serving)

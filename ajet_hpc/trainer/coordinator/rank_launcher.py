@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ajet_hpc.config.placement import RANK_GPUS_VAR, Placement
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.trainer.protocol.rank_env import PARENT_HOST_VAR, PARENT_PID_VAR, free_port
 from ajet_hpc.trainer.protocol.sync_plan import BACKEND_VAR, DISK, WORKERS_VAR, SyncPlan

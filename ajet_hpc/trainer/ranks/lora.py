@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ajet_hpc.config.topology import LoraConfig
+from ajet_hpc.config.lora import LoraConfig
 from ajet_hpc.engine.adapter import peft_config
 
 

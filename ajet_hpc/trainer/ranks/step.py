@@ -30,7 +30,7 @@ from ajet_hpc.algo.sample_tensors import (
     pack_micro_batches,
     tree_block_mask,
 )
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.trainer.ranks import lora
 from ajet_hpc.trainer.ranks.distributed import shard_by_tokens
 from ajet_hpc.trainer.ranks.zero import Models

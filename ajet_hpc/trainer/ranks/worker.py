@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ajet_hpc.config.placement import bind_rank_gpu
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.engine.model_path import offline_hub
 from ajet_hpc.storage.files import holder_dead, read_json, write_json_atomic
 from ajet_hpc.trainer.protocol.batch_file import Batch, read_batch

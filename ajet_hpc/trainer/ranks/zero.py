@@ -25,7 +25,7 @@ import torch
 
 from ajet_hpc import fault_injection
 from ajet_hpc.algo.sample_tensors import tree_attention
-from ajet_hpc.config.topology import TrainerConfig
+from ajet_hpc.config.trainer import TrainerConfig
 from ajet_hpc.storage.files import write_bytes_atomic
 from ajet_hpc.trainer.protocol.checkpoints import (
     TrainerState,
