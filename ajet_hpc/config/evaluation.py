@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ajet_hpc.config.errors import ConfigIssue
-from ajet_hpc.config.fields import Name, TaskSource
+from ajet_hpc.config.fields import Name
 
 EVAL_SUFFIX = "-eval"
 """The eval group of client group ``g`` is ``g-eval`` (its jobs, its store folder, its episodes' group)."""
@@ -27,7 +27,7 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    tasks: TaskSource = Field(
+    tasks: str = Field(
         description="Held-out task source ('builtin:<name>', 'reasoning_gym:<dataset>', a '.jsonl' path or "
         "'module.path:callable'), finite or cut by max_tasks: every round runs all of it; its tasks are "
         "never trained."

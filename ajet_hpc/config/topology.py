@@ -31,7 +31,6 @@ from ajet_hpc.config.fields import (
     SbatchOptions,
     SlurmMemory,
     SlurmTime,
-    TaskSource,
     slurm_time_minutes,
 )
 from ajet_hpc.config.placement import Placement, PlacementError, plan_placement
@@ -680,7 +679,7 @@ class ClientGroupConfig(JobResources):
 
     name: Name = Field(description="Client group name; names the group's files in the run.")
     agent: EntryPoint = Field(description="The agent to run, as 'module.path:function'.")
-    tasks: TaskSource = Field(
+    tasks: str = Field(
         description="Task source: 'builtin:<name>', a path ending in '.jsonl', or 'module.path:callable'."
     )
     servers: list[Name] = Field(min_length=1, description="Names of the servers this group's agents use.")

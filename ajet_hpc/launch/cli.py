@@ -27,6 +27,7 @@ from ajet_hpc.config import (
     load_topology,
 )
 from ajet_hpc.config.topology import server_placement
+from ajet_hpc.environments.sources import source_issues
 from ajet_hpc.launch import registry, runtimes, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import TaskState, task_states
@@ -168,9 +169,9 @@ def refuse_force_over_live_jobs(run: RunDir, topology: Topology, force: bool) ->
 
 def launch(args: argparse.Namespace) -> int:
     topology, run = read_topology(args)
-    too_big = fit_issues(topology) + lora_issues(topology)
-    if too_big:
-        raise ConfigError(too_big)
+    bad = source_issues(topology) + fit_issues(topology) + lora_issues(topology)
+    if bad:
+        raise ConfigError(bad)
     absent = trackers.missing(topology.run.trackers)  # before anything is written or submitted
     if absent:
         raise ConfigError(ConfigIssue("run.trackers", message) for message in absent)

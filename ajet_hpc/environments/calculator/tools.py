@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ajet_hpc.builtin_tasks.tools import KEYS as TABLE
+from ajet_hpc.environments.calculator.tasks import KEYS as TABLE
 
 SYSTEM = "You are a calculator agent."
 

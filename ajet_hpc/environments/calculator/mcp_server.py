@@ -1,8 +1,8 @@
 """The built-in example MCP server (stdio): the calculator's tools (``agents.calculator``) over MCP, for
 ``agents.mcp_tools``.
 
-    python -m ajet_hpc.agents.calculator_mcp                  # speaks MCP on stdin/stdout
-    python -m ajet_hpc.agents.calculator_mcp --http 8000      # streamable HTTP at http://127.0.0.1:8000/mcp
+    python -m ajet_hpc.environments.calculator.mcp_server                  # speaks MCP on stdin/stdout
+    python -m ajet_hpc.environments.calculator.mcp_server --http 8000      # streamable HTTP at http://127.0.0.1:8000/mcp
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-from ajet_hpc.agents import calculator
+from ajet_hpc.environments.calculator import tools as calculator
 
 server = MCPServer("ajet-calculator", log_level="WARNING")  # its stderr goes to the client task's log
 server.add_tool(calculator.add)

@@ -6,9 +6,8 @@ the episode's metadata names the dataset and keeps the answer that was scored.
 
 from __future__ import annotations
 
-from ajet_hpc.agents.single_call import ask
-from ajet_hpc.client.api import EpisodeContext, Outcome
-from ajet_hpc.client.reasoning_gym_source import score
+from ajet_hpc.api import EpisodeContext, Outcome, reasoning_gym_score
+from ajet_hpc.environments.single_call import ask
 
 INSTRUCTION = "Answer with the final answer only, after 'Answer:'."
 MAX_TOKENS = 32
@@ -22,4 +21,6 @@ def final_answer(reply: str) -> str:
 def solve(ctx: EpisodeContext) -> Outcome:
     data = ctx.task.data
     answer = final_answer(ask(ctx, INSTRUCTION, MAX_TOKENS))
-    return Outcome(reward=score(data, answer), metadata={"dataset": data["dataset"], "answer": answer})
+    return Outcome(
+        reward=reasoning_gym_score(data, answer), metadata={"dataset": data["dataset"], "answer": answer}
+    )

@@ -2,9 +2,10 @@
 
 The environment drives the episode and scores it; only the model endpoint is ours. Per episode:
 
-1. the environment is loaded by its verifiers taskset id (an installed package, or a module path such as
-   ``ajet_hpc.agents.verifiers_example``) with ``vf.resolve_env_config`` + ``vf.load_environment``: a plain
-   taskset gets ``SingleAgentEnv``, a package that exports its own ``Env`` (multi-agent, judges) gets that;
+1. the environment is loaded by its verifiers taskset id (an installed package, or a module path such
+   as ``ajet_hpc.environments.verifiers.example``) with ``vf.resolve_env_config`` + ``vf.load_environment``:
+   a plain taskset gets ``SingleAgentEnv``, a package that exports its own ``Env`` (multi-agent, judges)
+   gets that;
 2. the task is rebuilt from the task's data (``tasks()`` below lists an environment's tasks in that form);
 3. ``Env.run_episode`` runs inside ``Env.serving()`` with a ``vf.ModelContext`` whose ``EvalClientConfig``
    points at the episode's ``base_url``: verifiers' interception server stands between the harness and
@@ -33,11 +34,11 @@ import verifiers.v1 as vf
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.harnesses.null.harness import NullHarness
 
-from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome
+from ajet_hpc.api import EpisodeContext, ModelHandle, Outcome
 
 TASKSET_VARIABLE = "AJET_VERIFIERS_TASKSET"
 """Environment variable naming the verifiers taskset ``tasks()`` lists (default: ``EXAMPLE``)."""
-EXAMPLE = "ajet_hpc.agents.verifiers_example"
+EXAMPLE = "ajet_hpc.environments.verifiers.example"
 MAX_TOKENS = 32
 """Sampling cap of every model call (verifiers applies it to the harness's requests)."""
 KEY_PREFIX = "AJET_VERIFIERS_API_KEY_"
@@ -111,8 +112,8 @@ def task_of(env: vf.Env, data: dict[str, Any]) -> vf.Task:
 
 
 def tasks(taskset: str | None = None) -> Iterator[dict[str, Any]]:
-    """Task source ``ajet_hpc.agents.verifiers_env:tasks``: every task of ``taskset``, by default the one
-    named by ``$AJET_VERIFIERS_TASKSET`` (else the example), as ``{"id", "taskset", "data"}``."""
+    """Task source ``ajet_hpc.environments.verifiers.adapter:tasks``: every task of ``taskset``, by default
+    the one named by ``$AJET_VERIFIERS_TASKSET`` (else the example), as ``{"id", "taskset", "data"}``."""
     taskset = taskset or os.environ.get(TASKSET_VARIABLE, EXAMPLE)
     loaded = vf.load_taskset(vf.resolve_env_config({"taskset": {"id": plugin_id(taskset)}}).taskset)
     for task in loaded:

@@ -1,6 +1,7 @@
 """A tiny environment written for ``verifiers`` (v1 API): reverse a word. Its tasks are built in code and its
-reward is its own ``@vf.reward`` method, so nothing is downloaded. Used by ``configs/verifiers.yaml`` through
-the adapter ``ajet_hpc.agents.verifiers_env``, which loads it by its verifiers taskset id (this module).
+reward is its own ``@vf.reward`` method, so nothing is downloaded. Used by ``configs/verifiers.yaml``
+through the adapter ``ajet_hpc.environments.verifiers.adapter``, which loads it by its verifiers taskset id
+(this module).
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ import re
 import secrets
 from typing import Any
 
-from ajet_hpc.agents.single_call import ask
-from ajet_hpc.client.api import EpisodeContext, Outcome
-from ajet_hpc.sandbox import Limits, run_python
+from ajet_hpc.api import EpisodeContext, Limits, Outcome, run_python
+from ajet_hpc.environments.single_call import ask
 
 MAX_TOKENS = 96
 LIMITS = Limits(wall_s=6, cpu_s=3, memory_mb=512, file_mb=4, processes=8, scratch_mb=16)

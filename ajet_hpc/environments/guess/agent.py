@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from ajet_hpc.builtin_tasks.guess import MAX_TURNS, TOOLS, feedback
-from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.api import EpisodeContext, Outcome
+from ajet_hpc.environments.guess.tasks import MAX_TURNS, TOOLS, feedback
 
 
 def _read_guess(message) -> int | None:

@@ -3,9 +3,8 @@ once, reward with math-verify (``rewards.math_answer``), whatever form the answe
 
 from __future__ import annotations
 
-from ajet_hpc.agents.single_call import ask
-from ajet_hpc.client.api import EpisodeContext, Outcome
-from ajet_hpc.rewards.math_answer import math_reward
+from ajet_hpc.api import EpisodeContext, Outcome, math_reward
+from ajet_hpc.environments.single_call import ask
 
 INSTRUCTION = "Give the final answer in \\boxed{}."
 MAX_TOKENS = 32

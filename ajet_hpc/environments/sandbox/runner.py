@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from ajet_hpc.sandbox.limits import MIB, Limits, Result
+from ajet_hpc.environments.sandbox.limits import MIB, Limits, Result
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ajet_hpc.builtin_tasks.arithmetic import reward
-from ajet_hpc.client.api import EpisodeContext
+from ajet_hpc.api import EpisodeContext
+from ajet_hpc.environments.arithmetic.tasks import reward
 
 
 def solve(ctx: EpisodeContext) -> float:

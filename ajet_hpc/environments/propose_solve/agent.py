@@ -7,9 +7,9 @@ reward while the episode is one story.
 
 from __future__ import annotations
 
-from ajet_hpc.builtin_tasks.arithmetic import reward as answer_reward
-from ajet_hpc.builtin_tasks.propose_solve import parse_proposal, proposal_form
-from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.api import EpisodeContext, Outcome
+from ajet_hpc.environments.arithmetic.tasks import reward as answer_reward
+from ajet_hpc.environments.propose_solve.tasks import parse_proposal, proposal_form
 
 
 def solve(ctx: EpisodeContext) -> Outcome:

@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ajet_hpc.agents.calculator import SYSTEM, reward
 from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.environments.calculator.tools import SYSTEM, reward
 
 MAX_TURNS = 4
 MAX_TOKENS = 48
@@ -217,7 +217,7 @@ def _call(toolbox: McpToolbox, name: str, arguments: str) -> tuple[str, bool]:
     return toolbox.call(name, parsed)
 
 
-CALCULATOR = McpToolbox([sys.executable, "-m", "ajet_hpc.agents.calculator_mcp"])
+CALCULATOR = McpToolbox([sys.executable, "-m", "ajet_hpc.environments.calculator.mcp_server"])
 
 
 def solve(ctx: EpisodeContext) -> Outcome:

@@ -2,7 +2,7 @@
 answered with the calculator's ``add``, which verifiers serves over MCP itself (this module is also that
 server's program). verifiers' chat program offers the tool, executes the model's calls through MCP, feeds
 the results back and asks again until the model answers; the task's own ``@vf.reward`` scores the answer.
-Used by ``configs/verifiers.yaml`` through the adapter ``ajet_hpc.agents.verifiers_env``.
+Used by ``configs/verifiers.yaml`` through the adapter ``ajet_hpc.environments.verifiers.adapter``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 import verifiers.v1 as vf
 
-from ajet_hpc.agents import calculator, verifiers_env
-from ajet_hpc.builtin_tasks.tools import tasks as tool_questions
+from ajet_hpc.environments.calculator import tools as calculator
+from ajet_hpc.environments.calculator.tasks import tasks as tool_questions
+from ajet_hpc.environments.verifiers import adapter as verifiers_env
 
 
 class Calculator(vf.Toolset[vf.ToolsetConfig]):
@@ -61,7 +62,8 @@ class SumTaskset(vf.Taskset[SumTask, SumConfig]):
 
 
 def tasks() -> Iterator[dict[str, Any]]:
-    """Task source ``ajet_hpc.agents.verifiers_tools_example:tasks``: this taskset's tasks for the adapter."""
+    """Task source ``ajet_hpc.environments.verifiers.tools_example:tasks``: this taskset's tasks for the
+    adapter."""
     return verifiers_env.tasks(__name__)
 
 

@@ -7,22 +7,60 @@ from the same config, seed and index). Other ``key=value`` parameters are fields
 (``reasoning_gym:chain_sum?size=200&seed=3&min_terms=2&max_terms=3``). Several datasets mix through client
 groups with ``ratio`` (one group per dataset; each step's ``reward_by_group`` shows them apart).
 
-reasoning-gym is imported only here, in the client group's own runtime (``env: reasoning-gym.txt``): the
-server and the launcher never need it.
+reasoning-gym is imported only here, by ``tasks`` and ``score``, in the client group's own runtime (``env:
+reasoning-gym.txt``): the server and the launcher never need it (the launcher checks a spec's form with
+``parse_spec``, which imports nothing).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from ajet_hpc.client.api import Task
-from ajet_hpc.config.fields import parse_reasoning_gym
 
+PREFIX = "reasoning_gym:"
 DEFAULT_SIZE = 500
 DEFAULT_SEED = 0
+_DATASET = re.compile(r"^[a-z0-9_]+$")
+_PARAM = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, int | float | bool | str]]:
+    """``reasoning_gym:<dataset>[?size=N&seed=S&<config field>=<value>...]`` as (dataset, parameters):
+    values are YAML-like scalars (``3`` an int, ``0.5`` a float, ``true`` a bool, else a string).
+    ``ValueError`` naming what is wrong. Needs no reasoning-gym: the launcher checks specs with it."""
+    body = spec.removeprefix(PREFIX)
+    dataset, _, query = body.partition("?")
+    if not _DATASET.fullmatch(dataset):
+        raise ValueError(
+            f"invalid reasoning-gym source {spec!r}; use 'reasoning_gym:<dataset>[?size=N&seed=S]' with a "
+            "dataset name such as chain_sum"
+        )
+    params: dict[str, int | float | bool | str] = {}
+    for pair in query.split("&") if query else []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not _PARAM.fullmatch(key) or not raw or key in params:
+            raise ValueError(f"invalid parameter {pair!r} in {spec!r}; use key=value pairs joined by '&'")
+        params[key] = _scalar(raw)
+    return dataset, params
+
+
+def _scalar(raw: str) -> int | float | bool | str:
+    if raw in ("true", "false"):
+        return raw == "true"
+    for kind in (int, float):
+        try:
+            value = kind(raw)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            return value
+    return raw
 
 
 class ReasoningGymMissing(ImportError):
@@ -54,7 +92,7 @@ def tasks(spec: str) -> Iterator[Task]:
     """Every item of the dataset ``spec`` names, in order, as a task; the dataset is built here, so a
     missing library, an unknown dataset or a bad config field raise at once (``ReasoningGymMissing``,
     ``ValueError``)."""
-    name, params = parse_reasoning_gym(spec)
+    name, params = parse_spec(spec)
     config: dict[str, Any] = {"size": DEFAULT_SIZE, "seed": DEFAULT_SEED, **params}
     try:
         dataset = dataset_of(name, config)
@@ -72,7 +110,9 @@ def _items(name: str, config: dict[str, Any], dataset: Any) -> Iterator[Task]:
             id=f"{name}-{config['seed']}-{index}",
             data={
                 "question": entry["question"],
-                "answer": entry["answer"],  # the oracle answer, for other scorers (rewards.math_answer)
+                "answer": entry[
+                    "answer"
+                ],  # the oracle answer, for other scorers (environments.rewards.math_answer)
                 "dataset": name,
                 "config": config,
                 "index": index,
