@@ -42,7 +42,7 @@ def arithmetic_swapped(ctx: EpisodeContext) -> float:
 
 
 def sandbox_attack(ctx: EpisodeContext) -> Outcome:
-    """The code agent (``agents.code``) with the model's reply replaced by the task's hostile code. A fake
+    """The code agent (``code.agent``) with the model's reply replaced by the task's hostile code. A fake
     by necessity: a random model never writes a fork bomb. The call to the model is real and recorded;
     the sandbox, the hidden tests and the reward are the agent's own."""
     from ajet_hpc.environments.code import agent as code

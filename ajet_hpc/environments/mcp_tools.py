@@ -7,7 +7,7 @@ server (streamable HTTP). The connection lives in a thread of its own with its e
 client is asynchronous, agents are plain functions in runner threads); the stdio server ends with the
 client process (it reads EOF when its parent dies).
 
-The built-in example (``solve``) talks to ``agents.calculator_mcp``: tasks of ``builtin:tools`` ask for a
+The built-in example (``solve``) talks to ``calculator.mcp_server``: tasks of ``builtin:tools`` ask for a
 sum, a product or a stored value, and name the tools the model is offered.
 """
 

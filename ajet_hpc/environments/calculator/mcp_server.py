@@ -1,5 +1,5 @@
-"""The built-in example MCP server (stdio): the calculator's tools (``agents.calculator``) over MCP, for
-``agents.mcp_tools``.
+"""The built-in example MCP server (stdio): the calculator's tools (``calculator.tools``) over MCP, for
+``environments.mcp_tools``.
 
     python -m ajet_hpc.environments.calculator.mcp_server                  # speaks MCP on stdin/stdout
     python -m ajet_hpc.environments.calculator.mcp_server --http 8000      # streamable HTTP at http://127.0.0.1:8000/mcp

@@ -1,5 +1,5 @@
 """``builtin:tools``: questions answered with the tools of the built-in MCP server
-(``agents.calculator_mcp``): a sum, a product or a stored value. Each task names the tools its agent
+(``calculator.mcp_server``): a sum, a product or a stored value. Each task names the tools its agent
 offers (``data["tools"]``) and the answer (``data["answer"]``); 300 tasks in a stable order."""
 
 from __future__ import annotations

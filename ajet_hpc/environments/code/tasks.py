@@ -1,4 +1,4 @@
-"""``builtin:code``: write one small Python function, checked by hidden tests (``agents.code`` runs them in
+"""``builtin:code``: write one small Python function, checked by hidden tests (``code.agent`` runs them in
 the sandbox).
 
 Each task names a function and says what it must do; ``data["tests"]`` holds its hidden cases as

@@ -1,5 +1,5 @@
 """Agent for math tasks with a gold answer (``task.data["answer"]``, e.g. ``reasoning_gym:chain_sum``): ask
-once, reward with math-verify (``rewards.math_answer``), whatever form the answer takes."""
+once, reward with math-verify (``environments.rewards.math_answer``), whatever form the answer takes."""
 
 from __future__ import annotations
 

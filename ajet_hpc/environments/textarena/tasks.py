@@ -1,4 +1,4 @@
-"""``builtin:prisoners_dilemma``: TextArena's Iterated Prisoner's Dilemma (``agents.textarena_game``), two
+"""``builtin:prisoners_dilemma``: TextArena's Iterated Prisoner's Dilemma (``textarena.agent``), two
 rounds of one message each then a simultaneous choice, one task per seed: both players act every round,
 whatever they write. Other games: a ``.jsonl`` source with ``{"id": ..., "env_id": "<TextArena id>",
 "seed": N, "env_kwargs": {...}}`` lines (``env_kwargs`` go to ``textarena.make``)."""
