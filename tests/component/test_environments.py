@@ -20,8 +20,8 @@ from scripted_model import TITLED_TOOLS, TOOLS
 from support import REPO, assert_off_policy_metrics, run_module, write_topology
 
 from ajet_hpc.config import load_topology
-from ajet_hpc.config.fields import parse_reasoning_gym
 from ajet_hpc.environments.calculator import tools as calculator
+from ajet_hpc.environments.reasoning_gym.source import parse_spec
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer import metrics
 
@@ -93,7 +93,7 @@ def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(r
         finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] in groups]
     assert {s["group"] for s in finished} == groups
     assert all(s["metadata"]["dataset"] == s["group"] for s in finished)
-    sources = {g.name: parse_reasoning_gym(g.tasks) for g in load_topology(config).clients}
+    sources = {g.name: parse_spec(g.tasks) for g in load_topology(config).clients}
     asked = []
     for s in finished[:60]:
         name, params = sources[s["group"]]
@@ -131,7 +131,7 @@ def test_math_verify_rewards_math_answers_in_a_short_training_run(rg_run: Path) 
         finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] == "sums"]
     assert finished
     (group,) = load_topology(config).clients
-    name, params = parse_reasoning_gym(group.tasks)
+    name, params = parse_spec(group.tasks)
     gold_of = in_runtime(run, "math", GOLDS, [name, {"size": 200, "seed": 2, **params}])
     pairs = [[s["metadata"]["answer"], gold_of[int(s["task_id"].rsplit("-", 1)[1])]] for s in finished]
     assert in_runtime(run, "math", VERIFY, pairs) == [s["reward"] for s in finished]
