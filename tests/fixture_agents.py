@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ajet_hpc.agents import arithmetic
 from ajet_hpc.client.api import EpisodeContext, Outcome
+from ajet_hpc.environments.arithmetic import agent as arithmetic
 
 
 def slow_arithmetic(ctx: EpisodeContext) -> Outcome:
@@ -42,11 +42,11 @@ def arithmetic_swapped(ctx: EpisodeContext) -> float:
 
 
 def sandbox_attack(ctx: EpisodeContext) -> Outcome:
-    """The code agent (``agents.code``) with the model's reply replaced by the task's hostile code. A fake
+    """The code agent (``code.agent``) with the model's reply replaced by the task's hostile code. A fake
     by necessity: a random model never writes a fork bomb. The call to the model is real and recorded;
     the sandbox, the hidden tests and the reward are the agent's own."""
-    from ajet_hpc.agents import code
-    from ajet_hpc.agents.single_call import ask
+    from ajet_hpc.environments.code import agent as code
+    from ajet_hpc.environments.single_call import ask
 
     ask(ctx, "", 4)
     return code.check(ctx.task.data["attack"], ctx.task.data)

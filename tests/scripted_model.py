@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TOOLS = [  # the add tool of the built-in MCP server (agents.calculator_mcp), as agents.mcp_tools offers it
+TOOLS = [  # the add tool of the built-in MCP server (calculator.mcp_server), as mcp_tools offers it
     {
         "type": "function",
         "function": {

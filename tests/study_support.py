@@ -10,13 +10,13 @@ from typing import Any
 
 from ajet_hpc.client.api import EpisodeContext
 
-GOOD = "ajet_hpc.agents.arithmetic:solve"
+GOOD = "ajet_hpc.environments.arithmetic.agent:solve"
 BAD = "tests.study_support:penalized_arithmetic"
 
 
 def penalized_arithmetic(ctx: EpisodeContext) -> float:
     """The arithmetic agent with 1 taken off every reward: always below the plain agent, never constant."""
-    from ajet_hpc.agents.arithmetic import solve
+    from ajet_hpc.environments.arithmetic.agent import solve
 
     return solve(ctx) - 1.0
 

@@ -39,7 +39,7 @@ def topology_dict(run_dir: Path, *, array: int = 3, backend: str = "local", **cl
         "clients": [
             {
                 "name": "math",
-                "agent": "ajet_hpc.agents.arithmetic:solve",
+                "agent": "ajet_hpc.environments.arithmetic.agent:solve",
                 "tasks": "builtin:arithmetic",
                 "servers": ["policy"],
                 "partition": "cpu",

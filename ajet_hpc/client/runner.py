@@ -54,8 +54,9 @@ from ajet_hpc.client.session import (
     TrainingFinished,
     going_down,
 )
-from ajet_hpc.client.task_sources import assigned_tasks, import_entry
+from ajet_hpc.client.task_sources import assigned_tasks
 from ajet_hpc.config import ClientGroupConfig, Topology
+from ajet_hpc.environments.sources import import_entry
 from ajet_hpc.logging_setup import setup_logging
 from ajet_hpc.slurm import environment
 from ajet_hpc.storage import task_ends

@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from ajet_hpc.config.evaluation import EvalConfig, eval_group_name
-from ajet_hpc.config.fields import MODEL_CONFIG, EntryPoint, EnvFile, Name, TaskSource
+from ajet_hpc.config.fields import MODEL_CONFIG, EntryPoint, EnvFile, Name
 from ajet_hpc.config.resources import JobResources, Slot
 
 
@@ -29,7 +29,7 @@ class ClientGroupConfig(JobResources):
 
     name: Name = Field(description="Client group name; names the group's files in the run.")
     agent: EntryPoint = Field(description="The agent to run, as 'module.path:function'.")
-    tasks: TaskSource = Field(
+    tasks: str = Field(
         description="Task source: 'builtin:<name>', a path ending in '.jsonl', or 'module.path:callable'."
     )
     servers: list[Name] = Field(min_length=1, description="Names of the servers this group's agents use.")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ajet_hpc.config.fields import MODEL_CONFIG, Name, TaskSource
+from ajet_hpc.config.fields import MODEL_CONFIG, Name
 
 EVAL_SUFFIX = "-eval"
 """The eval group of client group ``g`` is ``g-eval`` (its jobs, its store folder, its episodes' group)."""
@@ -26,7 +26,7 @@ class EvalConfig(BaseModel):
 
     model_config = MODEL_CONFIG
 
-    tasks: TaskSource = Field(
+    tasks: str = Field(
         description="Held-out task source ('builtin:<name>', 'reasoning_gym:<dataset>', a '.jsonl' path or "
         "'module.path:callable'), finite or cut by max_tasks: every round runs all of it; its tasks are "
         "never trained."

@@ -1,4 +1,4 @@
-"""Field types shared by the topology models: names, Slurm times and memory, entry points, task sources.
+"""Field types shared by the topology models: names, Slurm times and memory, entry points, model sources.
 
 Each type is an ``Annotated`` alias whose validator says what form is expected, so every model that uses it
 reports the same, fixable error. The parsing functions are public for the launcher.
@@ -14,9 +14,6 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny", "tiny-qwen")
-REASONING_GYM_PREFIX = "reasoning_gym:"
-_RG_DATASET = re.compile(r"^[a-z0-9_]+$")
-_RG_PARAM = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _IDENT = r"[^\W\d]\w*"
@@ -113,7 +110,7 @@ def _check_memory(text: str) -> str:
     return text
 
 
-def _check_name(text: str) -> str:
+def check_name(text: str) -> str:
     if not _NAME.fullmatch(text):
         raise ValueError(
             f"invalid name {text!r}; start with a letter or digit, then use only letters, digits, "
@@ -128,59 +125,9 @@ def _check_partition(text: str) -> str:
     return text
 
 
-def _check_entry_point(text: str) -> str:
+def check_entry_point(text: str) -> str:
     if not _ENTRY_POINT.fullmatch(text):
         raise ValueError(f"invalid entry point {text!r}; use 'module.path:function'")
-    return text
-
-
-def parse_reasoning_gym(spec: str) -> tuple[str, dict[str, int | float | bool | str]]:
-    """``reasoning_gym:<dataset>[?size=N&seed=S&<config field>=<value>...]`` as (dataset, parameters):
-    values are YAML-like scalars (``3`` an int, ``0.5`` a float, ``true`` a bool, else a string).
-    ``ValueError`` naming what is wrong."""
-    body = spec.removeprefix(REASONING_GYM_PREFIX)
-    dataset, _, query = body.partition("?")
-    if not _RG_DATASET.fullmatch(dataset):
-        raise ValueError(
-            f"invalid reasoning-gym source {spec!r}; use 'reasoning_gym:<dataset>[?size=N&seed=S]' with a "
-            "dataset name such as chain_sum"
-        )
-    params: dict[str, int | float | bool | str] = {}
-    for pair in query.split("&") if query else []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not _RG_PARAM.fullmatch(key) or not raw or key in params:
-            raise ValueError(f"invalid parameter {pair!r} in {spec!r}; use key=value pairs joined by '&'")
-        params[key] = _scalar(raw)
-    return dataset, params
-
-
-def _scalar(raw: str) -> int | float | bool | str:
-    if raw in ("true", "false"):
-        return raw == "true"
-    for kind in (int, float):
-        try:
-            value = kind(raw)
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            return value
-    return raw
-
-
-def _check_task_source(text: str) -> str:
-    if text.startswith(REASONING_GYM_PREFIX):
-        parse_reasoning_gym(text)
-    elif text.startswith(BUILTIN_PREFIX):
-        if not _NAME.fullmatch(text.removeprefix(BUILTIN_PREFIX)):
-            raise ValueError(f"invalid builtin task set {text!r}; use 'builtin:<name>'")
-    elif text.endswith(".jsonl"):
-        if text == ".jsonl" or text.endswith("/.jsonl") or "\n" in text:
-            raise ValueError(f"invalid task file {text!r}")
-    elif not _ENTRY_POINT.fullmatch(text):
-        raise ValueError(
-            f"invalid task source {text!r}; use 'builtin:<name>', 'reasoning_gym:<dataset>', a path "
-            "ending in '.jsonl', or 'module.path:callable'"
-        )
     return text
 
 
@@ -220,12 +167,11 @@ def _check_sbatch_key(key: str) -> str:
     return key
 
 
-Name = Annotated[str, AfterValidator(_check_name)]
+Name = Annotated[str, AfterValidator(check_name)]
 Partition = Annotated[str, AfterValidator(_check_partition)]
 SlurmTime = Annotated[str, BeforeValidator(_int_as_text), AfterValidator(_check_time)]
 SlurmMemory = Annotated[str, BeforeValidator(_int_as_text), AfterValidator(_check_memory)]
-EntryPoint = Annotated[str, AfterValidator(_check_entry_point)]
-TaskSource = Annotated[str, AfterValidator(_check_task_source)]
+EntryPoint = Annotated[str, AfterValidator(check_entry_point)]
 ModelSource = Annotated[str, AfterValidator(_check_model_source)]
 EnvFile = Annotated[str, AfterValidator(_check_env_file)]
 SbatchValue = Annotated[str | int, BeforeValidator(_check_sbatch_value)]

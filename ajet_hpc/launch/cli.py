@@ -26,6 +26,7 @@ from ajet_hpc.config import (
     dump_topology,
     load_topology,
 )
+from ajet_hpc.environments.sources import source_issues
 from ajet_hpc.launch import registry, runtimes, swap
 from ajet_hpc.launch.backends import Backend, BackendError, get_backend
 from ajet_hpc.launch.control import TaskState, task_states
@@ -167,9 +168,9 @@ def refuse_force_over_live_jobs(run: RunDir, topology: Topology, force: bool) ->
 
 def launch(args: argparse.Namespace) -> int:
     topology, run = read_topology(args)
-    too_big = fit_issues(topology) + lora_issues(topology)
-    if too_big:
-        raise ConfigError(too_big)
+    bad = source_issues(topology) + fit_issues(topology) + lora_issues(topology)
+    if bad:
+        raise ConfigError(bad)
     absent = experiment_trackers.missing(topology.run.trackers)  # before anything is written or submitted
     if absent:
         raise ConfigError(ConfigIssue("run.trackers", message) for message in absent)

@@ -48,6 +48,7 @@ from ajet_hpc.config import (
     validate_topology,
 )
 from ajet_hpc.config.yaml_io import parse_yaml
+from ajet_hpc.environments.sources import source_issues
 from ajet_hpc.launch import control, registry, runtimes
 from ajet_hpc.launch.backends import get_backend
 from ajet_hpc.launch.plan import build_plan
@@ -269,7 +270,8 @@ def _read_block(path: Path) -> dict[str, Any]:
 
 def _with_added(topology: Topology, block: dict[str, Any], source: Path) -> Topology:
     """The topology with the group ``block`` appended, validated with the whole topology (server names,
-    duplicates, ratios, env files); issues name the block's own fields."""
+    duplicates, ratios, env files) and its task source checked as at launch; issues name the block's own
+    fields."""
     if block.get("name") in [c.name for c in topology.clients]:
         raise SwapError(
             f"{source}: this run already has a client group named {block['name']!r}; "
@@ -285,7 +287,10 @@ def _with_added(topology: Topology, block: dict[str, Any], source: Path) -> Topo
         return path.removeprefix(prefix + ".") if path.startswith(prefix + ".") else path
 
     try:
-        return validate_topology(data, envs_dir=Path.cwd() / "envs")
+        added = validate_topology(data, envs_dir=Path.cwd() / "envs")
+        if bad := source_issues(added):
+            raise ConfigError(bad)
+        return added
     except ConfigError as exc:
         raise SwapError(f"invalid client group ({source}):\n{_reworded(exc, local)}") from None
 

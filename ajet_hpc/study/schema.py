@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ajet_hpc.config import ConfigError, ConfigIssue, issues_from_validation_error, load_topology
 from ajet_hpc.config.load import _read_mapping
+from ajet_hpc.environments.sources import source_issues
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 SEED_PARAM = "seed"  # the Optuna parameter that carries a trial's seed
@@ -193,7 +194,11 @@ def check_paths(spec: StudySpec, base: Path) -> list[ConfigIssue]:
         if field in reported:
             continue
         try:
-            load_topology(raw, [*spec.overrides, *overrides] if field != "overrides" else overrides)
+            topology = load_topology(
+                raw, [*spec.overrides, *overrides] if field != "overrides" else overrides
+            )
+            if bad := source_issues(topology):  # as the launcher checks them
+                raise ConfigError(bad)
         except ConfigError as exc:
             reported.add(field)
             detail = "; ".join(str(issue) for issue in exc.issues)

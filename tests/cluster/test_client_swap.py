@@ -24,7 +24,10 @@ from ajet_hpc.storage.episode_store_reader import EpisodeReader
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 
 TOTAL = 10
-OLD_AGENT, NEW_AGENT = "ajet_hpc.agents.arithmetic:solve", "tests.fixture_agents:arithmetic_swapped"
+OLD_AGENT, NEW_AGENT = (
+    "ajet_hpc.environments.arithmetic.agent:solve",
+    "tests.fixture_agents:arithmetic_swapped",
+)
 AGENTS = (OLD_AGENT, NEW_AGENT)
 
 

@@ -75,7 +75,7 @@ def topology(run: Path) -> dict:
     data["servers"] = [dict(server, name="proposer"), dict(server, name="solver")]
     data["clients"][0].update(
         name="pairs",
-        agent="ajet_hpc.agents.propose_solve:solve",
+        agent="ajet_hpc.environments.propose_solve.agent:solve",
         tasks="builtin:propose_solve",
         servers=["proposer", "solver"],
         partition="wide",

@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ajet_hpc.algo.grpo import token_logprobs
 from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.sample_tensors import collate
-from ajet_hpc.builtin_tasks import arithmetic
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.config.algorithms import ALGORITHMS
 from ajet_hpc.config.engine import ServingConfig
+from ajet_hpc.environments.arithmetic import tasks as arithmetic
 from ajet_hpc.server.episodes import FINISHED, Episode
 from ajet_hpc.tracking.episode import EpisodeData
 from ajet_hpc.tracking.timeline import Timeline

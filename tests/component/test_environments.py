@@ -19,9 +19,9 @@ import yaml
 from scripted_model import TITLED_TOOLS, TOOLS
 from support import REPO, assert_off_policy_metrics, run_module, write_topology
 
-from ajet_hpc.agents import calculator
 from ajet_hpc.config import load_topology
-from ajet_hpc.config.fields import parse_reasoning_gym
+from ajet_hpc.environments.calculator import tools as calculator
+from ajet_hpc.environments.reasoning_gym.source import parse_spec
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer.coordinator import metrics
 
@@ -93,7 +93,7 @@ def test_a_reasoning_gym_mix_of_three_datasets_trains_with_rewards_per_dataset(r
         finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] in groups]
     assert {s["group"] for s in finished} == groups
     assert all(s["metadata"]["dataset"] == s["group"] for s in finished)
-    sources = {g.name: parse_reasoning_gym(g.tasks) for g in load_topology(config).clients}
+    sources = {g.name: parse_spec(g.tasks) for g in load_topology(config).clients}
     asked = []
     for s in finished[:60]:
         name, params = sources[s["group"]]
@@ -112,7 +112,7 @@ print(json.dumps([float(verify(parse(gold), parse(answer))) for answer, gold in 
 HELPER = """
 import json
 from concurrent.futures import ThreadPoolExecutor
-from ajet_hpc.rewards.math_answer import math_reward
+from ajet_hpc.environments.rewards.math_answer import math_reward
 cases = [("\\\\boxed{1/2}", "0.5"), ("so it is \\\\frac{1}{2}", "1/2"), ("7", "8")]
 cases += [("no number", "3"), ("3.0", "3")]
 with ThreadPoolExecutor(4) as pool:  # from threads, as a runner calls agents
@@ -131,7 +131,7 @@ def test_math_verify_rewards_math_answers_in_a_short_training_run(rg_run: Path) 
         finished = [s for s in reader.summaries() if s["state"] == "finished" and s["group"] == "sums"]
     assert finished
     (group,) = load_topology(config).clients
-    name, params = parse_reasoning_gym(group.tasks)
+    name, params = parse_spec(group.tasks)
     gold_of = in_runtime(run, "math", GOLDS, [name, {"size": 200, "seed": 2, **params}])
     pairs = [[s["metadata"]["answer"], gold_of[int(s["task_id"].rsplit("-", 1)[1])]] for s in finished]
     assert in_runtime(run, "math", VERIFY, pairs) == [s["reward"] for s in finished]
@@ -211,7 +211,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedR
 def test_code_tasks_train_through_the_sandbox(tiny_run: tuple[SharedRun, socket.socket]) -> None:
     """builtin:code: every episode's reward is the share of its hidden tests that passed in the sandbox
     (re-running the stored code gives it again), with the sandbox's verdict in its metadata."""
-    from ajet_hpc.agents.code import check
+    from ajet_hpc.environments.code.agent import check
 
     run, _ = tiny_run
     code_episodes = run.group("code")
@@ -229,8 +229,8 @@ def test_the_sandbox_stops_hostile_code_and_the_client_task_goes_on(
     """Reading the run's secret, opening a socket to a listener of this test, a fork bomb, 10 GB, an
     endless loop: each is stopped by its limit and earns 0 with the reason in its metadata, the client task
     goes on committing episodes, and no process of the sandbox outlives the run."""
-    from ajet_hpc.agents.code import LIMITS
-    from ajet_hpc.sandbox import isolation_in_use
+    from ajet_hpc.environments.code.agent import LIMITS
+    from ajet_hpc.environments.sandbox import isolation_in_use
 
     assert isolation_in_use() == "bwrap"  # CI installs bubblewrap: the fallback would hide a broken sandbox
     run, listener = tiny_run
@@ -250,7 +250,7 @@ def test_the_sandbox_stops_hostile_code_and_the_client_task_goes_on(
 RESCORE_VERIFIERS = """
 import asyncio, json, sys
 import verifiers.v1 as vf
-from ajet_hpc.agents import verifiers_env
+from ajet_hpc.environments.verifiers import adapter as verifiers_env
 async def score(taskset, data, answer):
     env = verifiers_env.load_env(taskset)
     task = verifiers_env.task_of(env, data)
@@ -296,7 +296,7 @@ def test_verifiers_environments_train_with_their_own_rewards(tools_run: SharedRu
 
 
 def task_data(task_id: str) -> dict:
-    from ajet_hpc.builtin_tasks.code import tasks
+    from ajet_hpc.environments.code.tasks import tasks
 
     index = int(task_id.rsplit("-", 1)[1])
     return next(itertools.islice(tasks(), index, None)).data
@@ -304,7 +304,7 @@ def task_data(task_id: str) -> dict:
 
 def sandbox_processes() -> list[str]:
     """Processes of the sandbox's own user ids still alive."""
-    from ajet_hpc.sandbox.runner import UID_BASE
+    from ajet_hpc.environments.sandbox.runner import UID_BASE
 
     alive = []
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -351,7 +351,7 @@ def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Pat
     (mcp_group,) = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())["clients"]
     topology["clients"].append(mcp_group | {"tasks": str(script), "epochs": 4})
     reverse, sums = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]
-    taskset = "ajet_hpc.agents.verifiers_tools_example"
+    taskset = "ajet_hpc.environments.verifiers.tools_example"
     sum_data = {"system_prompt": calculator.SYSTEM, "prompt": question["question"], "answer": 5}
     sum_script = folder / "verifiers-sums.jsonl"
     sum_script.write_text(
@@ -418,7 +418,9 @@ def test_tools_over_mcp_train_through_the_built_in_mcp_server(tools_run: SharedR
     assert any(s["reward"] == 1.0 for s in called)
     first_calls = [s["metadata"]["tool_calls"][0] for s in called]
     assert any(c["tool"] == "add" and _json_or_none(c["arguments"]) == {"a": 2, "b": 3} for c in first_calls)
-    assert not subprocess.run(["pgrep", "-f", "ajet_hpc.agents.calculator_mcp"], capture_output=True).stdout
+    assert not subprocess.run(
+        ["pgrep", "-f", "ajet_hpc.environments.calculator.mcp_server"], capture_output=True
+    ).stdout
 
 
 def test_agent_frameworks_train_as_they_are(tools_run: SharedRun) -> None:
@@ -474,7 +476,7 @@ def test_every_request_the_frameworks_send_is_answered(tools_run: SharedRun, qwe
 
 
 def task_of(task_id: str) -> dict:
-    from ajet_hpc.builtin_tasks.tools import tasks
+    from ajet_hpc.environments.calculator.tasks import tasks
 
     return next(itertools.islice(tasks(), int(task_id.rsplit("-", 1)[1]), None)).data
 
@@ -517,7 +519,7 @@ def test_textarena_two_adapters_play_each_other_and_the_frozen_base_and_both_tra
 REPLAY = """
 import json, sys
 import textarena as ta
-from ajet_hpc.builtin_tasks.prisoners_dilemma import GAME
+from ajet_hpc.environments.textarena.tasks import GAME
 out = []
 for task_id, actions, seats in json.load(sys.stdin):
     env = ta.make(env_id=GAME["env_id"], **GAME["env_kwargs"])

@@ -34,7 +34,7 @@ def swarm(**server: object) -> dict:
     clients = [
         {
             "name": "pairs",
-            "agent": "ajet_hpc.agents.propose_solve:solve",
+            "agent": "ajet_hpc.environments.propose_solve.agent:solve",
             "tasks": "builtin:propose_solve",
             "servers": ["proposer", "solver"],
         }

@@ -96,7 +96,7 @@ def test_quickstart_loads() -> None:
         zero_stage=2, ranks=2, lr=0.003, tasks_per_batch=8, repeats=8, total_steps=20, save_every=5
     )
     math = topo.client("math")
-    assert math.agent == "ajet_hpc.agents.arithmetic:solve"
+    assert math.agent == "ajet_hpc.environments.arithmetic.agent:solve"
     assert math.tasks == "builtin:arithmetic"
     assert math.servers == ["policy"]
     assert (math.partition, math.array, math.in_flight, math.cpus, math.mem, math.time_min) == (
@@ -511,7 +511,7 @@ MALFORMED = {
         "clients[0].agent", (("clients", 0, "agent"), "agents/solve.py"), fix="module.path"
     ),
     "agent_without_function": _bad("clients[0].agent", (("clients", 0, "agent"), "pkg.agents")),
-    "bad_task_source": _bad("clients[0].tasks", (("clients", 0, "tasks"), "tasks.json"), fix=".jsonl"),
+    # a malformed task source is the launcher's check: tests/unit/test_task_source_specs.py
     "unknown_builtin_model": _bad("servers[0].model", (("servers", 0, "model"), "builtin:huge")),
     "env_with_directory": _bad("clients[0].env", (("clients", 0, "env"), "../secret.txt")),
     "bad_backend": _bad("cluster.backend", (("cluster", "backend"), "pbs"), fix="'auto', 'slurm' or 'local'"),

@@ -21,13 +21,24 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ajet_hpc"
 
-LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_hpc
-    {"moved", "logging_setup", "process_tree", "fault_injection", "config", "slurm", "tracking", "sandbox"},
+LAYERS = [  # lowest first; names are sub-packages or top-level modules of ajet_hpc, or a package of
+    # environments/ that sits apart from the rest of it (``environments.<name>``, see layer_of)
+    {
+        "moved",
+        "logging_setup",
+        "process_tree",
+        "fault_injection",
+        "config",
+        "slurm",
+        "tracking",
+        "environments.sandbox",
+        "environments.rewards",
+    },
     {"engine", "algo"},
     {"storage"},
     {"trainer"},
     {"server"},
-    {"client", "builtin_tasks", "agents", "rewards"},
+    {"client", "environments", "api"},
     {"offline", "launch"},
     {"status", "cancel", "logs", "cli", "study"},
 ]
@@ -121,14 +132,24 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def unit_of(module: str) -> str:
+    """The name ``LAYERS`` places ``module`` by: its sub-package (or top-level module) of ajet_hpc, or, below
+    ``environments``, ``environments.<name>`` when LAYERS names that package apart (the sandbox and the
+    rewards import nothing of ours and sit in the lowest layer; the environments import the client's API)."""
+    parts = module.split(".")
+    if parts[1] == "environments" and len(parts) > 2 and any(".".join(parts[1:3]) in n for n in LAYERS):
+        return ".".join(parts[1:3])
+    return parts[1]
+
+
 def layer_of(module: str) -> int:
     if module == "ajet_hpc":  # the root __init__ runs before any module: it may import only the lowest layer
         return 0
-    top = module.split(".")[1]
+    unit = unit_of(module)
     for index, names in enumerate(LAYERS):
-        if top in names:
+        if unit in names:
             return index
-    raise AssertionError(f"{module}: its package {top!r} is in no layer; add it to LAYERS")
+    raise AssertionError(f"{module}: its package {unit!r} is in no layer; add it to LAYERS")
 
 
 def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
@@ -194,6 +215,14 @@ def test_no_import_cycles() -> None:
     assert not new, f"modules that import each other: {new}"
     gone = [sorted(c) for c in KNOWN_CYCLES.keys() - found]
     assert not gone, f"these cycles are broken: delete them from KNOWN_CYCLES: {gone}"
+
+
+def test_an_environments_package_named_apart_has_its_own_layer() -> None:
+    assert layer_of("ajet_hpc.environments.sandbox.runner") == 0
+    assert layer_of("ajet_hpc.environments.rewards") == 0
+    assert layer_of("ajet_hpc.environments.sources") == layer_of("ajet_hpc.client.runner")
+    assert layer_of("ajet_hpc.environments.arithmetic.agent") == layer_of("ajet_hpc.environments")
+    assert layer_of("ajet_hpc.api") == layer_of("ajet_hpc.client")
 
 
 def test_the_graph_sees_lazy_imports() -> None:

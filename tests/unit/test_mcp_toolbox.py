@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ajet_hpc.agents.mcp_tools import McpToolbox, McpToolError, openai_tool
+from ajet_hpc.environments.mcp_tools import McpToolbox, McpToolError, openai_tool
 
 
 def free_port() -> int:
@@ -25,7 +25,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def http_server():
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "ajet_hpc.agents.calculator_mcp", "--http", str(port)])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ajet_hpc.environments.calculator.mcp_server", "--http", str(port)]
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with socket.socket() as sock:
@@ -39,7 +41,7 @@ def http_server():
 
 @pytest.mark.parametrize("way", ["stdio", "http"])
 def test_tools_are_listed_as_openai_tools_and_called_from_many_threads(way: str, request) -> None:
-    server = [sys.executable, "-m", "ajet_hpc.agents.calculator_mcp"]
+    server = [sys.executable, "-m", "ajet_hpc.environments.calculator.mcp_server"]
     toolbox = McpToolbox(request.getfixturevalue("http_server") if way == "http" else server)
     try:
         (add,) = toolbox.openai_tools(["add"])

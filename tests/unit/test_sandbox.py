@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ajet_hpc.sandbox import Limits, isolation_in_use, run_python
+from ajet_hpc.environments.sandbox import Limits, isolation_in_use, run_python
 
 QUICK = Limits(wall_s=5, cpu_s=2, memory_mb=256, file_mb=1, processes=8, scratch_mb=4, output_chars=100)
 
@@ -64,7 +64,7 @@ def test_a_limit_that_is_no_positive_number_is_refused_by_name() -> None:
 FALLBACK = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING)
-from ajet_hpc.sandbox import Limits, run_python
+from ajet_hpc.environments.sandbox import Limits, run_python
 ok = run_python("print(6 * 7)", Limits(wall_s=20))
 big = run_python("x = bytearray(4 * 1024**3)", Limits(wall_s=20, memory_mb=256))
 print(json.dumps([ok.isolation, ok.stdout.strip(), big.reason]))
@@ -82,7 +82,7 @@ def test_the_rlimits_fallback_keeps_its_limits_and_says_loudly_that_it_does_not_
 
 
 def test_bwrap_required_but_refused_names_the_setting() -> None:
-    code = "from ajet_hpc.sandbox import run_python; run_python('pass')"
+    code = "from ajet_hpc.environments.sandbox import run_python; run_python('pass')"
     env = {**os.environ, "AJET_SANDBOX": "firejail"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "AJET_SANDBOX='firejail': expected bwrap or rlimits" in done.stderr

@@ -27,7 +27,7 @@ from ajet_hpc.launch.registry import SubmittedJob
 from ajet_hpc.storage.client_store import ClientStore, Result
 from ajet_hpc.storage.rundir import RunDir, RunDirError
 
-OLD = "ajet_hpc.agents.arithmetic:solve"
+OLD = "ajet_hpc.environments.arithmetic.agent:solve"
 
 
 def _finished_pid() -> str:
@@ -67,7 +67,7 @@ CASES: dict[str, tuple[list[str], str]] = {
         r"cannot import 'no_such_module_x'",
     ),
     "agent missing": (
-        ["--swap-clients", "math", "--agent", "ajet_hpc.agents.arithmetic:nope"],
+        ["--swap-clients", "math", "--agent", "ajet_hpc.environments.arithmetic.agent:nope"],
         r"has no callable 'nope'",
     ),
     "zero array": (["--swap-clients", "math", "--array", "0"], r"--array: .*at least 1"),

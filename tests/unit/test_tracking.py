@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ajet_hpc.builtin_tasks.guess import TOOLS as GUESS_TOOLS
 from ajet_hpc.engine.tiny import CHAT_TEMPLATE, build_tokenizer
+from ajet_hpc.environments.guess.tasks import TOOLS as GUESS_TOOLS
 from ajet_hpc.server.http_schemas import ChatMessage
 from ajet_hpc.server.toolcalls import parse_hermes
 from ajet_hpc.tracking import MODEL, SYSTEM, TOOL, USER, ContextTracker, DriftEvent, PromptPlan, Timeline

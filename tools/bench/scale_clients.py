@@ -24,7 +24,7 @@ for folder in (REPO, HERE):
         sys.path.insert(0, str(folder))
 
 from ajet_hpc.client.runner import group_task, pick_group  # noqa: E402
-from ajet_hpc.client.task_sources import import_entry  # noqa: E402
+from ajet_hpc.environments.sources import import_entry  # noqa: E402
 from ajet_hpc.logging_setup import setup_logging  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402
 

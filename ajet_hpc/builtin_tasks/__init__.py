@@ -1,1 +1,0 @@
-"""Built-in task sources (``tasks: builtin:<name>``): generated locally, nothing to download."""
