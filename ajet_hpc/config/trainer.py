@@ -3,7 +3,7 @@ timeline merging, and the trainer's own resources and schedule.
 
 ``TrainerConfig.spec`` is the algorithm (``config.algorithms``); ``TrainerConfig.resolved(serving)`` the
 settings with what the algorithm and the server's ``serving`` fill in where the topology leaves them unset,
-which is what the trainer runs with (``ajet_hpc.trainer.host.TrainerSetup.trainer``).
+which is what the trainer runs with (``ajet_hpc.trainer.coordinator.host.TrainerSetup.trainer``).
 """
 
 from __future__ import annotations
