@@ -205,7 +205,7 @@ def one_step(
         raise RuntimeError(f"the collector made no batch of all {len(episodes)} episodes")
     times["collect"] = _lap(started)
 
-    with gc_paused():  # as the coordinator builds and encodes (`Coordinator._build`)
+    with gc_paused():  # as the coordinator builds and encodes (`BatchPreparer.build`)
         started = time.perf_counter()
         samples, merging = build_samples(batch, config, decode)
         times["build"] = _lap(started)
