@@ -272,9 +272,9 @@ def flex_tree_check(device: str) -> float:
     ``model_logprobs``. Returns the largest difference relative to the largest value compared."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ajet_hpc.algo.merge import pack_tree
     from ajet_hpc.algo.output_layer import model_logprobs
     from ajet_hpc.algo.sample_tensors import collate
+    from ajet_hpc.algo.tree_packing import pack_tree
     from ajet_hpc.trainer.ranks.step import model_inputs
 
     shape = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=256, intermediate_size=512)

@@ -177,13 +177,7 @@ def policy_loss(
     named = {"old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask}
     if ref_logprobs is not None:
         named["ref_logprobs"] = ref_logprobs
-    for name, tensor in named.items():
-        if tensor.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
-    if kl_coef < 0 or (kl_coef > 0 and ref_logprobs is None):
-        raise ValueError(f"kl_coef={kl_coef} needs kl_coef >= 0, and ref_logprobs when it is > 0")
-    if normalizer is not None and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    _check_policy_loss_inputs(shape, named, kl_coef, ref_logprobs is not None, normalizer)
 
     mask = loss_mask != 0
     tokens = int(mask.sum())
@@ -203,6 +197,31 @@ def policy_loss(
         kl = kl_k3(torch.where(mask, logprobs.float(), 0.0), torch.where(mask, ref_logprobs.float(), 0.0))
         per_token = per_token + kl_coef * kl
 
+    w = _token_weights(mask, weights, token_scale, is_weights)  # weight_t * scale_t * is_t, 0 off the mask
+    denominator = normalizer if normalizer is not None else max(tokens, 1)
+    loss = torch.where(mask, per_token * w, 0.0).sum() / denominator
+    return loss, _loss_metrics(ratio, log_ratio, adv, kl, mask, tokens, clip_eps, clip_eps_high)
+
+
+def _check_policy_loss_inputs(
+    shape: torch.Size, named: dict[str, Tensor], kl_coef: float, has_ref: bool, normalizer: float | None
+) -> None:
+    """Raise ValueError for a tensor of ``named`` whose shape is not the logprobs' ``shape``, a KL term
+    without reference log-probabilities, or a normalizer that is not positive."""
+    for name, tensor in named.items():
+        if tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
+    if kl_coef < 0 or (kl_coef > 0 and not has_ref):
+        raise ValueError(f"kl_coef={kl_coef} needs kl_coef >= 0, and ref_logprobs when it is > 0")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+
+
+def _token_weights(
+    mask: Tensor, weights: Tensor | None, token_scale: Tensor | None, is_weights: Tensor | None
+) -> Tensor:
+    """``weight_t * scale_t * is_t`` of ``policy_loss`` per position, 0 outside ``mask``; ``weights`` per
+    token ``[B, T]`` or per sample ``[B]``; the scale and the off-policy weights carry no gradient."""
     w = mask.float()
     if weights is not None:
         weights = weights.float()
@@ -210,9 +229,20 @@ def policy_loss(
     for factor in (token_scale, is_weights):
         if factor is not None:
             w = w * factor.detach().float()
-    denominator = normalizer if normalizer is not None else max(tokens, 1)
-    loss = torch.where(mask, per_token * w, 0.0).sum() / denominator
+    return w
 
+
+def _loss_metrics(
+    ratio: Tensor,
+    log_ratio: Tensor,
+    adv: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+    tokens: int,
+    clip_eps: float,
+    clip_eps_high: float,
+) -> dict[str, float]:
+    """The metrics of ``policy_loss`` (its docstring says which), means over the masked tokens."""
     with torch.no_grad():
         low = (ratio < 1 - clip_eps) & (adv < 0)
         high = (ratio > 1 + clip_eps_high) & (adv > 0)
@@ -220,10 +250,10 @@ def policy_loss(
             "clip_frac_low": _masked_mean(low.float(), mask, tokens),
             "clip_frac_high": _masked_mean(high.float(), mask, tokens),
             "ratio_mean": _masked_mean(ratio, mask, tokens),
-            "approx_kl": _masked_mean(ratio - 1 - log_ratio, mask, tokens),
+            "approx_kl": _masked_mean(ratio - 1 - log_ratio, mask, tokens),  # k3 estimate of KL(π_old || π)
             "tokens": float(tokens),
         }
         metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         if kl is not None:
             metrics["kl"] = _masked_mean(kl, mask, tokens)
-    return loss, metrics
+    return metrics

@@ -1,7 +1,7 @@
 """Training samples and how they become tensors: one :class:`Sample` per sequence, micro-batches, padding.
 
 A sample is one training sequence: one model call, several calls merged into their longest one, or a
-prefix tree of calls packed depth-first (``parents`` set; see ``ajet_hpc.algo.merge``). Every per-token
+prefix tree of calls packed depth-first (``parents`` set; see ``ajet_hpc.algo.tree_packing``). Every per-token
 field has one entry per token id; advantages and old log-probabilities are 0.0 where the loss mask is 0,
 so padding and prompt tokens never enter the loss.
 

@@ -3,10 +3,10 @@
 A *sequence* is one model answer: a chain of trained tokens, each the successor (``parents``, or the
 position before in a plain sample) of the one before. A trained token whose predecessor is not trained
 starts a sequence. Merging keeps answers whole (a linear merge lays a call's answer out contiguously; a
-tree gives a trained token one sequence: ``ajet_hpc.algo.merge.pack_tree``), so the same answers are the
-same sequences before and after merging, and every sequence-level term is unchanged by it. Answers are
-apart by the chat template's untrained turn markers; two answers with no untrained token between them
-(a call that continues the previous answer verbatim) are one sequence.
+tree gives a trained token one sequence: ``ajet_hpc.algo.tree_packing.pack_tree``), so the same answers
+are the same sequences before and after merging, and every sequence-level term is unchanged by it.
+Answers are apart by the chat template's untrained turn markers; two answers with no untrained token
+between them (a call that continues the previous answer verbatim) are one sequence.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.once:  # the runner's imports (HDF5, numpy, HTTP) where it runs, not in its supervisor
         from ajet_hpc.client.eval_runner import make_worker
-        from ajet_hpc.client.runner import run_client
+        from ajet_hpc.client.runner_process import run_client
 
         return run_client(args.run_dir, args.group, args.index, make_worker)
     return run_supervised(args.run_dir, args.group, args.index)

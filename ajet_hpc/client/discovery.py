@@ -3,7 +3,7 @@
 A client stops instead of waiting when the server ended for good: ``finished`` (``ServerFinished``) or
 ``failed`` (``ServerFailed``, with the server's reason), or when it stayed absent longer than the group's
 ``server_wait_s`` (``ServerUnavailable``). The last two are ``ServerGone``: the array task ends with that
-message and releases its allocation (``runner.run_client`` exits with ``EXIT_SERVER_GONE``).
+message and releases its allocation (``runner_process.run_client`` exits with ``EXIT_SERVER_GONE``).
 """
 
 from __future__ import annotations

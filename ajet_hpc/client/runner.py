@@ -13,7 +13,8 @@ recorded results instead; a server also refuses to begin an ended key and answer
 with the first one's result.
 
 On SIGTERM (a cancel, or a hot swap of the group) the task begins no new episode, aborts its open ones
-with a reason, closes its store and exits.
+with a reason, closes its store and exits (the process around the task, its signal handler and exit code:
+``client/runner_process.py``).
 
 A server that answers a call of the episode with an HTTP 5xx (the agent's model call, or begin/end) is not
 away: the episode is aborted there with the error as its reason and run again after a pause, at most
@@ -26,11 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,6 @@ import yaml
 
 from ajet_hpc import fault_injection
 from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
-from ajet_hpc.client.array_task import EXIT_SERVER_GONE, EXIT_STORE_FAILED, pick_group, resolve_index
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, WaitStopped, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
@@ -57,9 +56,6 @@ from ajet_hpc.client.session import (
 from ajet_hpc.client.task_sources import assigned_tasks
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.environments.sources import import_entry
-from ajet_hpc.logging_setup import setup_logging
-from ajet_hpc.slurm import environment
-from ajet_hpc.storage import task_ends
 from ajet_hpc.storage.client_store import (
     ClientStore,
     CommitFailed,
@@ -352,6 +348,19 @@ class GroupTask:
         return True
 
     def _attempt(self, task: Task, repeat: int) -> None:
+        """One run of an episode: begin it at every server, run the agent, end it with the rewards, commit."""
+        begun = self._begin(task, repeat)
+        outcome = self._run_agent(task, repeat, begun)
+        if outcome is None:
+            return
+        ended = self._end(task, repeat, begun, outcome)
+        if ended is None:
+            return
+        _test_exit_after_end(self)
+        self._commit_ended(task, repeat, begun, ended, outcome)
+
+    def _begin(self, task: Task, repeat: int) -> dict[str, dict]:
+        """Begin the episode at every server of the group; on a failure, abort it where it did begin."""
         meta = {**self.episode_meta, "repeat": repeat, "client": self.index, "agent": self.group.agent}
         begun: dict[str, dict] = {}
         try:
@@ -361,6 +370,11 @@ class GroupTask:
             for name, b in begun.items():  # (a co-trained model whose training ended refuses new episodes)
                 self._abort_quietly(name, b["episode_id"], f"{type(exc).__name__}: {exc}")
             raise
+        return begun
+
+    def _run_agent(self, task: Task, repeat: int, begun: dict[str, dict]) -> Outcome | None:
+        """The agent's outcome of the episode; None when the agent failed (the episode is aborted and
+        counted). A failure of a server under the agent is raised as ``ServerAway`` or ``ServerError``."""
         handles = {name: ModelHandle(name, b["base_url"], b["api_key"]) for name, b in begun.items()}
         try:
             outcome = as_outcome(self.agent(EpisodeContext(task=task, models=handles, repeat=repeat)))
@@ -380,17 +394,24 @@ class GroupTask:
                 log.info("task %s repeat %d stopped with the runner (%s)", task.id, repeat, exc)
                 with self.tally.lock:
                     self.tally.aborted += 1
-                return
+                return None
             reason = "".join(traceback.format_exception(exc))
             log.warning("agent failed on task %s repeat %d:\n%s", task.id, repeat, reason)
             for name, b in begun.items():
                 self._abort_quietly(name, b["episode_id"], reason)
             with self.tally.lock:
                 self.tally.aborted += 1
-            return
+            return None
+        return outcome
+
+    def _end(
+        self, task: Task, repeat: int, begun: dict[str, dict], outcome: Outcome
+    ) -> dict[str, dict] | None:
+        """End the episode at every server, each model's with its own reward: the servers' answers; None
+        when a server refused the end (the episode is aborted and counted)."""
         key = (self.group.name, task.id, repeat)
         try:
-            ended = {  # each model's episode ends with that model's own reward
+            return {  # each model's episode ends with that model's own reward
                 name: self.connect(name).end(
                     b["episode_id"],
                     outcome.reward_for(name),
@@ -406,8 +427,13 @@ class GroupTask:
                 self._abort_quietly(name, b["episode_id"], str(exc))
             with self.tally.lock:
                 self.tally.aborted += 1
-            return
-        _test_exit_after_end(self)
+            return None
+
+    def _commit_ended(
+        self, task: Task, repeat: int, begun: dict[str, dict], ended: dict[str, dict], outcome: Outcome
+    ) -> None:
+        """Commit the ended episode's result, with the rewards the servers confirmed; a server that had
+        ended this key before (an earlier run) answered with that result, which is the one committed."""
         duplicate = [
             name
             for name, e in ended.items()
@@ -540,101 +566,6 @@ def committed_in_group(run: RunDir, group: str, mine: Path) -> set[tuple[str, in
     return found
 
 
-def _stop_on_sigterm(worker: GroupTask) -> Callable[[], None]:
-    """SIGTERM drains the worker (in a thread: the handler must not block); before the first episode it
-    leaves at once. Returns what puts the previous handler back. (submitit's own handler ignores SIGTERM.)"""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def handle(signum: int, frame: object) -> None:
-        reason = f"client task {worker.group.name}[{worker.index}] stopped by {signal.Signals(signum).name}"
-        if worker.stopping.is_set():
-            return
-        worker.stopping.set()
-        if not worker.started.is_set():
-            raise ClientStopping(reason)
-        threading.Thread(target=worker.stop, args=(reason,), name="drain", daemon=True).start()
-
-    previous = signal.signal(signal.SIGTERM, handle)
-
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
-
-    return restore
-
-
-WorkerFactory = Callable[[RunDir, Topology, ClientGroupConfig, int], "GroupTask"]
-
-
 def group_task(run: RunDir, topology: Topology, group: ClientGroupConfig, index: int) -> GroupTask:
     """The worker of a training group's array task."""
     return GroupTask(run, group, index, topology.episode_repeats(group))
-
-
-def run_client(
-    run_dir: str | os.PathLike[str],
-    group_name: str,
-    index: int | None = None,
-    make_worker: WorkerFactory = group_task,
-) -> int:
-    """Run array task ``index`` of a group to its end; ``make_worker`` builds its worker (an eval group's
-    is ``client.eval_runner.EvalGroupTask``)."""
-    setup_logging()
-    run = RunDir.at(run_dir)
-    topology = run.load_topology()
-    group = pick_group(topology, group_name)
-    index = resolve_index(index)
-    if not 0 <= index < group.array:
-        raise SystemExit(f"client index {index} is outside group {group.name!r} (array of {group.array})")
-    job = environment.current()
-    log.info(
-        "client %s[%d] (job %s, pid %d) on node %s", group.name, index, job.job_id, os.getpid(), job.node
-    )
-    try:
-        worker = make_worker(run, topology, group, index)
-    except (OSError, StoreError) as exc:  # a full disk or quota, a live writer elsewhere: nothing ran yet
-        log.error(
-            "client %s[%d] stops (exit %d) before any episode: its store cannot be opened: %s. Free space "
-            "(or stop the other writer); a restart or requeue resumes from the last commit",
-            group.name,
-            index,
-            EXIT_STORE_FAILED,
-            exc,
-        )
-        return EXIT_STORE_FAILED
-    restore_handler = _stop_on_sigterm(worker)
-    try:
-        tally = worker.run()
-    except ClientStopping as exc:
-        log.info("stopping before any episode: %s", exc)
-        tally = worker.tally
-    finally:
-        restore_handler()
-        worker.store.close()
-    if worker.store_failed is not None:
-        log.error(
-            "client %s[%d] stops (exit %d): its store could not record a result: %s. Free space (or stop the "
-            "other writer); a restart or requeue resumes from the last commit",
-            group.name,
-            index,
-            EXIT_STORE_FAILED,
-            worker.store_failed,
-        )
-        return EXIT_STORE_FAILED
-    if worker.gone is not None:
-        log.error("client %s[%d] stops: %s", group.name, index, worker.gone)
-        return EXIT_SERVER_GONE
-    if not (worker.finished.is_set() or worker.stopping.is_set()):  # its tasks are used up
-        task_ends.mark_end(run, group, index, task_ends.EXHAUSTED, f"{tally.finished} episodes finished")
-    mean = sum(tally.rewards) / len(tally.rewards) if tally.rewards else float("nan")
-    log.info(
-        "client %s[%d] done: %d episodes finished (mean reward %.3f), %d aborted, %d committed from the "
-        "servers' records",
-        group.name,
-        index,
-        tally.finished,
-        mean,
-        tally.aborted,
-        tally.recovered,
-    )
-    return 0

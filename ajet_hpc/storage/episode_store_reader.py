@@ -26,11 +26,11 @@ from ajet_hpc.storage.h5_layout import (
     SEALED,
     SPACES,
     TAIL,
-    SealedReader,
     StoreError,
     open_for_read,
     open_uncached,
 )
+from ajet_hpc.storage.h5_sealed_columns import SealedReader
 from ajet_hpc.storage.records import EpisodeRecord, id_hash
 from ajet_hpc.tracking.timeline import DriftEvent, Timeline
 

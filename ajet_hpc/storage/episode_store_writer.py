@@ -35,7 +35,6 @@ from ajet_hpc.storage.h5_layout import (
     SEALED,
     SPACES,
     TAIL,
-    SealedColumn,
     StoreError,
     check_not_truncated,
     clear_stale_write_flags,
@@ -48,6 +47,7 @@ from ajet_hpc.storage.h5_layout import (
     write_at,
     writer_identity,
 )
+from ajet_hpc.storage.h5_sealed_columns import SealedColumn
 from ajet_hpc.storage.lease import HeldLease, Lease, LeaseLost, LeaseTiming, acquire_lease, close_detached
 from ajet_hpc.storage.records import (
     Append,

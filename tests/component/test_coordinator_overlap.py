@@ -62,7 +62,9 @@ def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_s
         async def result_after_batch_2(channel: TrainerChannel, step: int, *args, **kwargs) -> StepResult:
             result = await real_wait(channel, step, *args, **kwargs)
             deadline = time.monotonic() + 300
-            while step == 1 and not (coordinator._ahead is not None and coordinator._ahead.done()):
+            while step == 1 and not (
+                coordinator.batches.ahead is not None and coordinator.batches.ahead.done()
+            ):
                 assert time.monotonic() < deadline, "batch 2 was never prepared while step 1 trained"
                 await asyncio.sleep(0.01)
             return result
@@ -73,7 +75,7 @@ def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_s
                 coordinator.collector.add(finished(engine.tokenizer, task, repeat, version=0))
 
         def step_2_trains_and_batch_3_is_built() -> bool:
-            flight, ahead = coordinator._in_flight, coordinator._ahead
+            flight, ahead = coordinator._in_flight, coordinator.batches.ahead
             return (
                 flight is not None
                 and flight.step == 2
@@ -85,8 +87,8 @@ def test_the_next_batch_is_prepared_while_a_step_trains_and_consumed_only_when_s
 
         training = asyncio.create_task(coordinator.run())
         await stop_when(coordinator, step_2_trains_and_batch_3_is_built)
-        assert coordinator._ahead is not None
-        prepared = coordinator._ahead.result()
+        assert coordinator.batches.ahead is not None
+        prepared = coordinator.batches.ahead.result()
         assert prepared.step == 3 and {e.task_id for e in prepared.batch.episodes} == {"t2"}
         training.cancel()  # the server's shutdown after the save
         await asyncio.gather(training, return_exceptions=True)
@@ -126,7 +128,7 @@ def test_with_max_staleness_0_nothing_is_prepared_ahead(tmp_path: Path, tiny_mod
             while coordinator.step < 1:
                 flight = coordinator._in_flight
                 if flight is not None and flight.submitted:
-                    seen.append(coordinator._ahead is not None)
+                    seen.append(coordinator.batches.ahead is not None)
                 await asyncio.sleep(0.02)
 
         watcher = asyncio.create_task(watch())

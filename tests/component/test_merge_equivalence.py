@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ajet_hpc.algo import merge
+from ajet_hpc.algo import merge, tree_packing
 from ajet_hpc.algo.grpo import policy_loss, token_logprobs
 from ajet_hpc.algo.objective import Objective
 from ajet_hpc.algo.sample_tensors import Sample, collate
@@ -106,7 +106,7 @@ def test_linear_and_tree_merging_give_the_loss_logprobs_and_gradients_of_separat
     per_call = calls(model.config.vocab_size)
     linear, snaps = merge.merge_linear(per_call)
     assert [len(s.calls) for s in linear] == [3, 1, 1, 1] and snaps == []
-    tree = merge.pack_tree(linear)
+    tree = tree_packing.pack_tree(linear)
     assert len(tree) < sum(len(s) for s in linear) < sum(len(s) for s in per_call)
     normalizer = float(sum(sum(s.loss_mask) for s in per_call))
 
@@ -146,7 +146,10 @@ def test_episode_weighting_is_the_same_merged_or_not(tiny_model: Path) -> None:
         totals[s.episode_id] = totals.get(s.episode_id, 0.0) + s.weight * sum(s.loss_mask)
     assert totals["ep"] == pytest.approx(totals["ep2"])
     normalizer = float(sum(sum(s.loss_mask) for s in samples))
-    merged = [merge.pack_tree(merge.merge_linear(first)[0]), merge.pack_tree(merge.merge_linear(second)[0])]
+    merged = [
+        tree_packing.pack_tree(merge.merge_linear(first)[0]),
+        tree_packing.pack_tree(merge.merge_linear(second)[0]),
+    ]
     with torch.no_grad():
         separate, _ = flat_loss(samples, model, normalizer)
         together, _ = flat_loss(merged, model, normalizer)
@@ -184,7 +187,7 @@ def test_every_algorithm_trains_merged_samples_like_the_calls_they_came_from(tin
             shifted = logprobs[0] + (torch.rand(logprobs.shape[1], generator=noise) - 0.5) * 0.6
             sample.old_logprobs = torch.where(torch.tensor(sample.loss_mask) == 1, shifted, 0.0).tolist()
     linear, _ = merge.merge_linear(per_call)
-    layouts = {"calls": per_call, "linear": linear, "tree": [merge.pack_tree(linear)]}
+    layouts = {"calls": per_call, "linear": linear, "tree": [tree_packing.pack_tree(linear)]}
     for name, settings in OBJECTIVES.items():
         objective = Objective.of(
             TrainerConfig.model_validate(settings).resolved(ServingConfig(max_tokens=16))

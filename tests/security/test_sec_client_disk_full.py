@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support import REPO, fill_disk, run_module, topology_dict, wait_until, write_topology
 
-from ajet_hpc.client.runner import EXIT_STORE_FAILED
+from ajet_hpc.client.array_task import EXIT_STORE_FAILED
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 

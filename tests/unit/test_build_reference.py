@@ -14,7 +14,7 @@ import random
 
 import numpy as np
 
-from ajet_hpc.algo import merge
+from ajet_hpc.algo import tree_packing
 from ajet_hpc.algo.credit import group_turn_advantages
 from ajet_hpc.algo.merge import MergeStats
 from ajet_hpc.algo.sample_tensors import Sample
@@ -87,7 +87,7 @@ def ref_build(batch: Batch, config: TrainerConfig, decode):
             merged_group.extend(merged)
         if config.merge.mode == "tree" and config.merge.tree_scope == "group" and len(merged_group) > 1:
             with trainer_samples._blame(group, "packing the task group's tree"):
-                merged_group = [merge.pack_tree(merged_group)]
+                merged_group = [tree_packing.pack_tree(merged_group)]
         samples.extend(merged_group)
     stats.samples_after = len(samples)
     stats.tokens_after = sum(len(s) for s in samples)

@@ -25,16 +25,16 @@ import h5py
 import pytest
 from support import fill_disk, tmpfs
 
+from ajet_hpc.storage.client_records import result_payload
 from ajet_hpc.storage.client_store import (
     ClientStore,
     CommitFailed,
     Result,
     StoreCorrupt,
-    _frame,
-    _payload,
     journal_path,
     read_results,
 )
+from ajet_hpc.storage.client_store_journal import encode_frame
 from ajet_hpc.storage.h5_layout import StoreError
 
 GROUP, INDEX = "workers", 3
@@ -432,7 +432,9 @@ def test_a_failed_append_leaves_no_torn_record(tmp_path: Path) -> None:
         size = journal_path(path).stat().st_size
         big = replace(make_result(3), transcript="y" * 6000)
         page = os.statvfs(disk).f_frsize
-        assert size % page > 0 and len(_frame(_payload(big))) > page  # a write that starts and cannot end
+        assert (
+            size % page > 0 and len(encode_frame(result_payload(big))) > page
+        )  # a write that starts and cannot end
         ballast = fill_disk(disk, 0)
         with pytest.raises(CommitFailed, match="No space left on device"):
             store.commit(big)
@@ -480,7 +482,7 @@ def test_a_failed_hdf5_append_keeps_the_commit_and_the_view_is_rebuilt(tmp_path:
 
     The writer is a process of its own: the limit holds for every file its process writes (here it would
     reach the other tests' threads), and the view it lets go of stays open until its process exits
-    (``_Hdf5View.let_go``), where h5py reports the handle it cannot release."""
+    (``client_store_view.Hdf5View.let_go``), where h5py reports the handle it cannot release."""
     path = tmp_path / "0.h5"
     results = [replace(make_result(i), transcript=f"{i} " + "z" * 20_000) for i in range(3)]
     done = subprocess.run(

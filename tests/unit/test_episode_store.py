@@ -26,7 +26,7 @@ from support import fill_disk, tmpfs
 
 from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.server.episodes import FINISHED, Episode
-from ajet_hpc.storage import h5_layout
+from ajet_hpc.storage import h5_layout, h5_sealed_columns
 from ajet_hpc.storage.episode_store_commit import SPACE_INDEX
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.storage.episode_store_writer import EpisodeWriter
@@ -682,16 +682,17 @@ def test_a_frozen_writer_taken_over_writes_nothing_more(tmp_path: Path) -> None:
 
 def test_chunks_deflated_by_zlib_or_isal_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Full chunks are deflated through ISA-L where the ``isal`` package is there, through zlib otherwise
-    (``h5_layout.deflate``): both are zlib streams, so a store written by either, or by both in turn, reads
-    back the same, through EpisodeReader and through HDF5's own deflate filter.
+    (``h5_sealed_columns.deflate``): both are zlib streams, so a store written by either, or by both in
+    turn, reads back the same, through EpisodeReader and through HDF5's own deflate filter.
 
     Patched, because no real part can give it: the zlib path is what a node without the ``isal`` package
     takes, and ``isal`` is a declared dependency installed in this interpreter, which cannot be uninstalled
-    for one writer. ``h5_layout._isal_zlib`` is set to None, the value its import fallback sets there."""
+    for one writer. ``h5_sealed_columns._isal_zlib`` is set to None, the value its import fallback sets
+    there."""
     path = tmp_path / "policy.h5"
     records = [make_record(i) for i in range(12)]
     with monkeypatch.context() as patched:
-        patched.setattr(h5_layout, "_isal_zlib", None)  # zlib, as without the package
+        patched.setattr(h5_sealed_columns, "_isal_zlib", None)  # zlib, as without the package
         with EpisodeWriter(path, chunk_tokens=8) as writer:
             writer.append_records(records[:6])
     with EpisodeWriter(path, chunk_tokens=8) as writer:  # ISA-L if installed

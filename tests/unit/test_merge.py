@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ajet_hpc.algo import merge
+from ajet_hpc.algo import merge, tree_packing
 from ajet_hpc.algo.sample_tensors import Ints, Sample, collate
 from ajet_hpc.engine.tiny import build_tokenizer
 
@@ -118,7 +118,7 @@ def test_pack_tree_shares_prefixes_once_and_keeps_every_trained_token() -> None:
         as_list(calls[1].token_ids)[: as_list(calls[1].loss_mask).index(1)], [999, 998], 3, -2.0, -1.0
     )
     linear, _ = merge.merge_linear([*calls, retry])
-    tree = merge.pack_tree(linear)
+    tree = tree_packing.pack_tree(linear)
     shared = as_list(calls[1].loss_mask).index(1)
     assert len(tree) == len(linear[0]) + 2  # the fork adds only its own answer
     assert len(tree) == len(linear[0]) + len(linear[1]) - shared
@@ -137,7 +137,7 @@ def test_pack_tree_shares_prefixes_once_and_keeps_every_trained_token() -> None:
 def test_pack_tree_gives_a_token_trained_by_two_sequences_two_branches() -> None:
     a = call([1, 2, 3], [7, 8], 0, -0.1, 1.0)
     b = call([1, 2, 3], [7, 9], 1, -0.2, -1.0)  # sampled 7 as well, then parted
-    tree = merge.pack_tree([a, b])
+    tree = tree_packing.pack_tree([a, b])
     assert tree.token_ids == [1, 2, 3, 7, 8, 7, 9] and tree.parents == [-1, 0, 1, 2, 3, 2, 5]
     assert tree.advantages == [0, 0, 0, 1.0, 1.0, -1.0, -1.0]
 
@@ -145,7 +145,7 @@ def test_pack_tree_gives_a_token_trained_by_two_sequences_two_branches() -> None
 def test_collate_builds_the_ancestor_mask_and_depth_positions() -> None:
     a = call([1, 2, 3], [7, 8], 0, -0.1, 1.0)
     b = call([1, 2, 3], [7, 9], 1, -0.2, -1.0)
-    tree, plain = merge.pack_tree([a, b]), call([5, 6], [4], 2, -0.3, 1.0)
+    tree, plain = tree_packing.pack_tree([a, b]), call([5, 6], [4], 2, -0.3, 1.0)
     batch = collate([tree, plain], pad_id=0)
     mask = batch["attention_mask"]
     assert mask.shape == (2, 1, 7, 7) and mask.dtype == torch.bool

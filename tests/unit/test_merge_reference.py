@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ajet_hpc.algo import merge
+from ajet_hpc.algo import merge, tree_packing
 from ajet_hpc.algo.sample_tensors import Ints, Sample
 from ajet_hpc.engine import tiny, tiny_qwen
 from ajet_hpc.tracking.timeline import Timeline
@@ -397,8 +397,8 @@ def test_merging_and_packing_equal_the_reference_on_random_episodes(tokenizer, s
             assert got == want, f"seed {seed}, {level} level"
             for snap in got[1]:
                 seen[f"{level}:{snap.reason}"] = seen.get(f"{level}:{snap.reason}", 0) + 1
-            assert merge.pack_tree(got[0]) == ref_pack_tree(want[0]), f"seed {seed}, {level} level"
-        assert merge.pack_tree(calls) == ref_pack_tree(calls), f"seed {seed}"
+            assert tree_packing.pack_tree(got[0]) == ref_pack_tree(want[0]), f"seed {seed}, {level} level"
+        assert tree_packing.pack_tree(calls) == ref_pack_tree(calls), f"seed {seed}"
     # the episodes reach what they are meant to: duplicates, and text-level merges over other tokens
     assert seen.get("token:duplicate", 0) > 0 and seen.get("text:text_trusted", 0) > 0, seen
 

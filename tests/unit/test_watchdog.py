@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import topology_dict
 
-from ajet_hpc.client import discovery, runner, task_supervisor
+from ajet_hpc.client import array_task, discovery, task_supervisor
 from ajet_hpc.client.api import Task
 from ajet_hpc.client.task_sources import assigned_tasks, epochs
 from ajet_hpc.config import ServingConfig, load_topology
@@ -163,8 +163,8 @@ def test_supervisor_gives_up_after_max_restarts_and_marks_the_task_failed(tmp_pa
 def test_supervisor_does_not_restart_a_runner_whose_server_is_gone(tmp_path: Path) -> None:
     run = make_run(tmp_path, max_restarts=3)
     group = run.load_topology().clients[0]
-    command = _script(tmp_path, f"raise SystemExit({runner.EXIT_SERVER_GONE})\n")
-    assert task_supervisor.supervise(run, group, 0, command, delay_s=0) == runner.EXIT_SERVER_GONE
+    command = _script(tmp_path, f"raise SystemExit({array_task.EXIT_SERVER_GONE})\n")
+    assert task_supervisor.supervise(run, group, 0, command, delay_s=0) == array_task.EXIT_SERVER_GONE
 
 
 def test_status_shows_state_step_last_step_and_reason(tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ def test_the_supervisor_loads_none_of_the_runners_stack() -> None:
     HDF5, numpy nor an HTTP client, which cost each array task about 0.4 s of CPU more at its start."""
     import subprocess
 
-    wanted = ("h5py", "numpy", "httpx", "openai", "ajet_hpc.client.runner")
+    wanted = ("h5py", "numpy", "httpx", "openai", "ajet_hpc.client.runner", "ajet_hpc.client.runner_process")
     probe = (
         "import sys, ajet_hpc.client.task_supervisor, ajet_hpc.launch.jobs\n"
         f"print(sorted(m for m in {wanted!r} if m in sys.modules))"

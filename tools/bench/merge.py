@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from ajet_hpc.algo import merge  # noqa: E402
+from ajet_hpc.algo import merge, tree_packing  # noqa: E402
 from ajet_hpc.algo.sample_tensors import Sample  # noqa: E402
 from ajet_hpc.config import ServingConfig, TrainerConfig  # noqa: E402
 from ajet_hpc.config.placement import cpu_placement  # noqa: E402
@@ -216,7 +216,7 @@ def batches(episodes: list[list[Sample]]) -> dict[str, list[Sample]]:
     return {
         "per-call": [s for calls in episodes for s in calls],
         "linear": [s for merged in linear for s in merged],
-        "tree": [merge.pack_tree(merged) for merged in linear],
+        "tree": [tree_packing.pack_tree(merged) for merged in linear],
     }
 
 

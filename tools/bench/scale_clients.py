@@ -2,8 +2,8 @@
 
 Array tasks FIRST .. FIRST+COUNT-1 of client group GROUP, each the runner's real worker
 (``runner.group_task``: its own client store and lease, its ``in_flight`` episode threads, discovery,
-the episode API with the run's auth) in a thread of this process, as ``runner.run_client`` runs one in a
-process of its own. What one process per task would add (an interpreter and its imports, tens of MB and
+the episode API with the run's auth) in a thread of this process, as ``runner_process.run_client`` runs one
+in a process of its own. What one process per task would add (an interpreter and its imports, tens of MB and
 a second or two of CPU each) is left out so that thousands of open episodes fit on one machine.
 
 The group's agent is imported first, in the main thread: ``scale_agent`` takes SIGUSR1 as the release of
@@ -23,7 +23,8 @@ for folder in (REPO, HERE):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from ajet_hpc.client.runner import group_task, pick_group  # noqa: E402
+from ajet_hpc.client.array_task import pick_group  # noqa: E402
+from ajet_hpc.client.runner import group_task  # noqa: E402
 from ajet_hpc.environments.sources import import_entry  # noqa: E402
 from ajet_hpc.logging_setup import setup_logging  # noqa: E402
 from ajet_hpc.storage.rundir import RunDir  # noqa: E402

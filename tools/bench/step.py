@@ -72,7 +72,7 @@ for folder in (REPO, BENCH):
 
 import merge as merge_bench  # noqa: E402  (tools/bench/merge.py: the episode generator)
 
-from ajet_hpc.algo import merge  # noqa: E402
+from ajet_hpc.algo import merge, tree_packing  # noqa: E402
 from ajet_hpc.algo.detokenize import TokenText  # noqa: E402
 from ajet_hpc.config import MergeConfig, TrainerConfig  # noqa: E402
 from ajet_hpc.engine.model_path import resolve_model  # noqa: E402
@@ -205,7 +205,7 @@ def one_step(
         raise RuntimeError(f"the collector made no batch of all {len(episodes)} episodes")
     times["collect"] = _lap(started)
 
-    with gc_paused():  # as the coordinator builds and encodes (`Coordinator._build`)
+    with gc_paused():  # as the coordinator builds and encodes (`BatchPreparer.build`)
         started = time.perf_counter()
         samples, merging = build_samples(batch, config, decode)
         times["build"] = _lap(started)
@@ -259,7 +259,7 @@ def build_parts(
             merge_s += _lap(started)
             if config.merge.mode == "tree" and len(merged) > 1:
                 started = time.perf_counter()
-                merge.pack_tree(merged)
+                tree_packing.pack_tree(merged)
                 pack_s += _lap(started)
     return {"faults": faults_s, "samples": samples_s, "merge": merge_s, "pack": pack_s}
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ajet_hpc.algo import merge
+from ajet_hpc.algo import merge, tree_packing
 from ajet_hpc.algo.credit import group_turn_advantages, masked_row, turn_returns
 from ajet_hpc.algo.dapo import overlong_penalty
 from ajet_hpc.algo.merge import MergeStats, Snap
@@ -200,7 +200,7 @@ def _build(
             merged_group.extend(merged)
         if config.merge.mode == "tree" and config.merge.tree_scope == "group" and len(merged_group) > 1:
             with _blame(group, "packing the task group's tree"):
-                merged_group = [merge.pack_tree(merged_group)]
+                merged_group = [tree_packing.pack_tree(merged_group)]
         samples.extend(merged_group)
     stats.samples_after = len(samples)
     stats.tokens_after = sum(len(s) for s in samples)
@@ -334,7 +334,7 @@ def merge_episode(
     merged, snaps = merge.merge_linear(calls, level=config.level, decode=decode)
     snaps += explain_snaps(episode.episode_id, episode.timelines, merged, decode)
     if config.mode == "tree" and config.tree_scope == "episode" and len(merged) > 1:
-        merged = [merge.pack_tree(merged)]
+        merged = [tree_packing.pack_tree(merged)]
     return merged, snaps
 
 

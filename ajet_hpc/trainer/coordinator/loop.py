@@ -9,15 +9,15 @@ back the finished episodes of the server store that no step consumed (the journa
 step's batch goes to the ranks, names the consumed ones: no episode is trained twice).
 
 With ``max_staleness`` > 0 the next step's batch is collected, built and encoded while the ranks train the
-current step (docs/architecture.md, "The coordinator's step"): it is judged stale against the policy that
-will train it, and it is consumed (journal line, batch file) only once the current step is recorded; a batch
-prepared but never sent goes back to the collector, or, at a crash, stays unconsumed in the store.
+current step (``batch_preparer.BatchPreparer``; docs/architecture.md, "The coordinator's step"): it is
+judged stale against the policy that will train it, and it is consumed (journal line, batch file) only once
+the current step is recorded; a batch prepared but never sent goes back to the collector, or, at a crash,
+stays unconsumed in the store.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import subprocess
@@ -27,26 +27,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ajet_hpc.algo.detokenize import TokenText
-from ajet_hpc.algo.merge import MergeStats
-from ajet_hpc.algo.sample_tensors import Sample
 from ajet_hpc.config import TrainerConfig
 from ajet_hpc.process_tree import kill_tree
 from ajet_hpc.storage.records import StepRecord
 from ajet_hpc.trainer.coordinator import metrics
+from ajet_hpc.trainer.coordinator.batch_preparer import BatchPreparer
 from ajet_hpc.trainer.coordinator.channel import TrainerChannel, TrainerFailed
 from ajet_hpc.trainer.coordinator.collector import (
     Batch,
     BatchCollector,
 )
-from ajet_hpc.trainer.coordinator.episodes_to_samples import build_samples, gc_paused
 from ajet_hpc.trainer.coordinator.experiment_trackers import step_histograms
 from ajet_hpc.trainer.coordinator.host import TrainerHost, TrainerSetup
 from ajet_hpc.trainer.coordinator.journal import ConsumedJournal
 from ajet_hpc.trainer.coordinator.rank_launcher import start_ranks
 from ajet_hpc.trainer.coordinator.recovery import load_episodes, stored_summaries, unconsumed
 from ajet_hpc.trainer.coordinator.step_record import InFlight, Prepared, step_row
-from ajet_hpc.trainer.protocol.batch_file import encode_batch
 from ajet_hpc.trainer.protocol.checkpoints import RESUME_LIMIT_VAR, read_trainer_state
 from ajet_hpc.trainer.protocol.step_result import StepResult
 from ajet_hpc.trainer.protocol.sync_channel import SyncServer, announce_job_ending, clear
@@ -54,9 +50,6 @@ from ajet_hpc.trainer.protocol.weight_handoff import MemoryWeights, WithheldWeig
 from ajet_hpc.trainer.protocol.work_dir import WorkDir
 
 log = logging.getLogger(__name__)
-
-SOURCES_POLL_S = 5.0
-"""How often a coordinator waiting for a batch asks whether its clients' task sources are used up."""
 
 
 class TrainingGaveUp(RuntimeError):
@@ -76,6 +69,9 @@ class Coordinator:
         self.collector = BatchCollector(
             self.config, mix=setup.mix, repeats_of=setup.repeats_of, ended_count=setup.ended_count
         )
+        self.batches = BatchPreparer(  # what the steps train: collected, built and encoded, one ahead
+            self.config, self.collector, setup.sources_ended, tokenizer=lambda: host.engine.tokenizer
+        )
         self.journal = ConsumedJournal(self.work_dir / "consumed.jsonl")
         self.stored = setup.stored  # the store's summaries read at the server's start, until restored
         self.trackers = setup.trackers  # closed with the ranks (`close`)
@@ -89,7 +85,6 @@ class Coordinator:
         self.channel: TrainerChannel | None = None
         self.step = 0
         self._in_flight: InFlight | None = None  # the step the ranks are training, until it is recorded
-        self._ahead: asyncio.Task | None = None  # preparing the next step's batch while the ranks train
         self._ranks_idle_since = 0.0  # monotonic: the ranks' last result (or start): they wait from then
         self._recorded_step = 0  # the last step recorded (metrics row, store) since the ranks started
         self.stopping = False  # set by save_on_signal: no batch goes to the ranks any more
@@ -156,7 +151,7 @@ class Coordinator:
             )
             failures, ended, retry = 0, None, None
             while self.step < total:
-                prepared, retry = await self._take_prepared(retry), None
+                prepared, retry = await self.batches.take(self.step + 1, retry), None
                 if self.stopping:  # saved on a signal: the job is going down, nothing more is trained
                     await asyncio.Future()  # until the server's shutdown cancels this task
                 if prepared is None:
@@ -171,7 +166,7 @@ class Coordinator:
                         raise  # not the ranks' fault: run() hands over to the watchdog (requeue)
                     failures += 1
                     self._restarting(error, failures)
-                    await self._put_back_ahead()  # prepared for a step after the failed one: not sent
+                    await self.batches.put_back_ahead()  # prepared for a step after the failed one: not sent
                     self.close()
                     _discard_batches(WorkDir(self.work_dir))
                     retry = prepared.batch  # trained again by the new ranks: its episodes are not lost
@@ -187,31 +182,11 @@ class Coordinator:
             channel.request_stop()
             await self._last_eval_rounds(final=ended is not None)
         finally:
-            if self._ahead is not None:  # a batch prepared for a step that never comes: not consumed
-                self._ahead.cancel()
+            self.batches.cancel_ahead()  # a batch prepared for a step that never comes: not consumed
             if sync_server is not None:
                 sync_server.cancel()
         log.info("training of %s finished at step %d", self.server.name, self.step)
         self.host.finish_training(ended)
-
-    async def _next_batch(self, version: int | None = None) -> Batch | None:
-        """The collector's next batch (``version``: the policy that will train it); None once no batch can
-        come: every feeding client task has used up its tasks and none formed for ``SOURCES_POLL_S``
-        after that."""
-        pending = asyncio.ensure_future(self.collector.next_batch(version))
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=SOURCES_POLL_S)
-                if done or pending.done():
-                    return pending.result()
-                if self.sources_ended() is not None:
-                    return None
-        except asyncio.CancelledError:
-            if pending.done() and not pending.cancelled() and pending.exception() is None:
-                self.collector.put_back(pending.result())  # taken the moment this was cancelled
-            raise
-        finally:
-            pending.cancel()
 
     def _restarting(self, error: TrainerFailed, failures: int) -> None:
         """A step failed: record why (log, metrics event), or give up after ``max_restarts`` in a row."""
@@ -410,7 +385,7 @@ class Coordinator:
     async def _train_step(self, channel: TrainerChannel, batch: Batch) -> bool:
         """Train the next step on ``batch``; False when none of its episodes could be built (each one
         dropped, reported with the next batch): no step then."""
-        prepared = await self._prepare(self.step + 1, batch)
+        prepared = await self.batches.prepare(self.step + 1, batch)
         return prepared is not None and await self._train_prepared(channel, prepared)
 
     def _overlaps(self) -> bool:
@@ -418,61 +393,6 @@ class Coordinator:
         ``max_staleness`` of the policy that will train them (see docs/architecture.md). With
         ``max_staleness: 0`` they must come from the policy the running step makes: no overlap."""
         return self.config.max_staleness > 0
-
-    async def _take_prepared(self, retry: Batch | None) -> Prepared | None:
-        """The next step's prepared batch: ``retry`` (a failed step's batch) built again, the batch prepared
-        while the last step trained, or a new one; None when no batch can come any more."""
-        step = self.step + 1
-        if retry is not None:
-            return await self._prepare(step, retry)
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            prepared = await ahead
-            if prepared is None or prepared.step == step:
-                return prepared
-            self.collector.put_back(prepared.batch)  # prepared for another step (ranks restarted)
-        return await self._prepare(step)
-
-    async def _prepare(self, step: int, batch: Batch | None = None) -> Prepared | None:
-        """Collect step ``step``'s batch (unless given), build its samples (credit, merging, packing) and
-        encode its batch file, in a worker thread: the event loop goes on serving. Nothing is consumed:
-        the journal line and the batch file come with `_train_prepared`. None: no batch can come any more.
-
-        Cancelled after it took a batch, it puts the batch back in the collector once the build is over."""
-        if batch is None:
-            batch = await self._next_batch(version=step - 1)  # step n trains on policy n - 1
-            if batch is None:
-                return None
-        taken = time.monotonic()
-        save = step % self.config.save_every == 0 or step == self.config.total_steps
-        build = asyncio.ensure_future(asyncio.to_thread(self._build, step, batch, save))
-        try:
-            samples, merging, encoded = await asyncio.shield(build)
-        except asyncio.CancelledError:
-            build.add_done_callback(lambda _: self.collector.put_back(batch))
-            raise
-        built = time.monotonic()
-        work = [(taken - batch.collect_s, taken), (taken, built)]  # collecting, then building
-        return Prepared(step, batch, samples, merging, encoded, save, work, taken, built)
-
-    def _build(self, step: int, batch: Batch, save: bool) -> tuple[list[Sample], MergeStats, bytes]:
-        """(In a worker thread.) The batch's samples, what merging did, and the batch file's bytes; without
-        the garbage collector's passes over every list alive (`gc_paused`)."""
-        with gc_paused():
-            samples, merging = build_samples(batch, self.config, self._decode)  # drops episodes at fault
-            return samples, merging, encode_batch(step, samples, save) if samples else b""
-
-    async def _put_back_ahead(self) -> None:
-        """The batch being prepared for a later step goes back to the collector, unconsumed."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        if not ahead.done():
-            ahead.cancel()  # `_prepare` puts back a batch it took
-            return
-        prepared = None if ahead.cancelled() or ahead.exception() else ahead.result()
-        if prepared is not None:
-            self.collector.put_back(prepared.batch)
 
     async def _train_prepared(self, channel: TrainerChannel, prepared: Prepared) -> bool:
         """Consume a prepared batch (journal line, fsynced, then the batch file), start preparing the next
@@ -507,9 +427,7 @@ class Coordinator:
             in_flight.submitted = True
             prepared.work.append((journal_at, time.monotonic()))
             if self._overlaps() and step < self.config.total_steps:
-                self._ahead = asyncio.get_running_loop().create_task(
-                    self._prepare(step + 1), name="prepare-next-batch"
-                )
+                self.batches.start_ahead(step + 1)
             result = await channel.wait_result(step)
             self._ranks_idle_since = time.monotonic()
             if self._in_flight is None:  # recorded by save_on_signal meanwhile: the job is going down
@@ -575,12 +493,6 @@ class Coordinator:
             log.info("signal: step %d is already checkpointed", self.step)
         channel.request_stop()
         return self.step
-
-    @functools.cached_property
-    def _decode(self) -> TokenText:
-        """The engine tokenizer's decode (special tokens kept, no cleanup) for text-level merging, with
-        where it splits (``algo/detokenize.py``): built once, 0.8 s for Qwen's vocabulary."""
-        return TokenText(self.host.engine.tokenizer)
 
     def _record(
         self,
