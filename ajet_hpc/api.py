@@ -2,10 +2,10 @@
 
 An agent is a plain function ``solve(ctx: EpisodeContext) -> float | Outcome`` that a client group names as
 ``agent: module.path:solve``; a task source is ``tasks: module.path:callable`` (an iterable of ``Task`` or
-of dicts) or one of the forms in ``open_source``. Every name here is re-exported from the module that
-defines it (``ajet_hpc/client/api.py``, ``ajet_hpc/environments/``), so ``ajet_hpc.api.Outcome is
-ajet_hpc.client.api.Outcome``. Names here stay put when modules move; a module path that moved keeps
-importing for a while with a ``FutureWarning`` naming its new path (``ajet_hpc/moved.py``).
+of dicts) or one of the forms in ``open_source``. Every name here is re-exported from the module of
+``ajet_hpc/environments/`` that defines it, so ``ajet_hpc.api.Outcome is
+ajet_hpc.environments.episode.Outcome``. Names here stay put when modules move; a module path that moved
+keeps importing for a while with a ``FutureWarning`` naming its new path (``ajet_hpc/moved.py``).
 
 - The episode: ``EpisodeContext`` (``ctx.task``, ``ctx.model`` / ``ctx.models``, ``ctx.repeat``),
   ``ModelHandle`` (an OpenAI endpoint scoped to the episode: ``ctx.model.client()``), ``Task``, and
@@ -21,7 +21,7 @@ importing for a while with a ``FutureWarning`` naming its new path (``ajet_hpc/m
 docs/environments.md ("The public API") shows them in use.
 """
 
-from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task
+from ajet_hpc.environments.episode import EpisodeContext, ModelHandle, Outcome, Task
 from ajet_hpc.environments.mcp_tools import McpToolbox, McpToolError, ToolLoop, openai_tool, run_tool_loop
 from ajet_hpc.environments.reasoning_gym.source import score as reasoning_gym_score
 from ajet_hpc.environments.rewards.math_answer import math_reward

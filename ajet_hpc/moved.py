@@ -70,6 +70,8 @@ MOVED: dict[str, str] = {
     "ajet_hpc.sandbox": f"{_ENV}.sandbox",
     "ajet_hpc.client.reasoning_gym_source": f"{_ENV}.reasoning_gym.source",
     "ajet_hpc.inspect": "ajet_hpc.offline",  # it shadowed the standard library's inspect
+    # what an agent receives and returns, beside what uses it (the client imports environments, not back)
+    "ajet_hpc.client.api": f"{_ENV}.episode",
 }
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.environments.arithmetic import agent as arithmetic
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 
 def slow_arithmetic(ctx: EpisodeContext) -> Outcome:

@@ -8,7 +8,7 @@ from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
-from ajet_hpc.client.api import EpisodeContext
+from ajet_hpc.environments.episode import EpisodeContext
 
 GOOD = "ajet_hpc.environments.arithmetic.agent:solve"
 BAD = "tests.study_support:penalized_arithmetic"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 
-from ajet_hpc.client.api import Task
 from ajet_hpc.client.discovery import ServerFinished, ServerGone
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.runner import GroupTask, Tally, group_task
@@ -20,6 +19,7 @@ from ajet_hpc.client.session import EpisodeRejected, ServerAway
 from ajet_hpc.client.task_sources import assigned_tasks
 from ajet_hpc.config import ClientGroupConfig, Topology
 from ajet_hpc.config.evaluation import evaluated_model
+from ajet_hpc.environments.episode import Task
 from ajet_hpc.storage.rundir import RunDir
 from ajet_hpc.tracking.episode import EVAL_STEP, round_task_id, split_round_task_id
 

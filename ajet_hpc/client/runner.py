@@ -38,7 +38,6 @@ from pathlib import Path
 import yaml
 
 from ajet_hpc import fault_injection
-from ajet_hpc.client.api import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
 from ajet_hpc.client.discovery import ServerFinished, ServerGone, WaitStopped, wait_for_server
 from ajet_hpc.client.handshake import ServerNotTrusted
 from ajet_hpc.client.session import (
@@ -55,6 +54,7 @@ from ajet_hpc.client.session import (
 )
 from ajet_hpc.client.task_sources import assigned_tasks
 from ajet_hpc.config import ClientGroupConfig, Topology
+from ajet_hpc.environments.episode import EpisodeContext, ModelHandle, Outcome, Task, as_outcome
 from ajet_hpc.environments.sources import import_entry
 from ajet_hpc.storage.client_store import (
     ClientStore,

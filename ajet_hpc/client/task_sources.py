@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 from ajet_hpc.environments.sources import open_source
 
 if TYPE_CHECKING:

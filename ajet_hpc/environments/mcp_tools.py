@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.environments.calculator.tools import SYSTEM, reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 MAX_TURNS = 4
 MAX_TOKENS = 48

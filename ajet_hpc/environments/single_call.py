@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ajet_hpc.api import EpisodeContext
+from ajet_hpc.environments.episode import EpisodeContext
 
 
 def ask(ctx: EpisodeContext, instruction: str, max_tokens: int) -> str:

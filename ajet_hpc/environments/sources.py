@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ajet_hpc.client.api import Task
 from ajet_hpc.config.errors import ConfigIssue
 from ajet_hpc.config.fields import BUILTIN_PREFIX, check_entry_point, check_name
+from ajet_hpc.environments.episode import Task
 from ajet_hpc.environments.reasoning_gym import source as reasoning_gym_source
 
 if TYPE_CHECKING:

@@ -342,7 +342,7 @@ def test_text_completions_and_models(hf_server) -> None:
 def test_builtin_guess_agent_records_one_linear_conversation(hf_server) -> None:
     """The multi-turn built-in task through the real agent function: every call after the first reuses
     the sampled ids of the previous answers (one linear conversation)."""
-    from ajet_hpc.client.api import EpisodeContext, ModelHandle, Task
+    from ajet_hpc.environments.episode import EpisodeContext, ModelHandle, Task
     from ajet_hpc.environments.guess.agent import solve
 
     begun = hf_server.begin(task_id="guess-0")

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response
 from server_harness import SECRET, Harness, admin_token
 from support import topology_dict
 
-from ajet_hpc.client.api import EpisodeContext, Outcome
 from ajet_hpc.client.runner import SERVER_ERROR_ATTEMPTS, GroupTask
 from ajet_hpc.config import load_topology
 from ajet_hpc.engine.model_path import resolve_model
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 from ajet_hpc.storage import rendezvous
 from ajet_hpc.storage.client_store import read_results
 from ajet_hpc.storage.rundir import RunDir

@@ -13,11 +13,11 @@ import pytest
 from support import topology_dict
 
 from ajet_hpc.client import array_task, discovery, task_supervisor
-from ajet_hpc.client.api import Task
 from ajet_hpc.client.task_sources import assigned_tasks, epochs
 from ajet_hpc.config import ServingConfig, load_topology
 from ajet_hpc.config.errors import ConfigError
 from ajet_hpc.engine.transformers_engine import TransformersEngine
+from ajet_hpc.environments.episode import Task
 from ajet_hpc.launch.control import describe_servers
 from ajet_hpc.server import preemption
 from ajet_hpc.server.context import JobContext, ModelContext

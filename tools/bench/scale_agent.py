@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from ajet_hpc.client.api import EpisodeContext, Task
+from ajet_hpc.environments.episode import EpisodeContext, Task
 
 RELEASE = threading.Event()
 HOLD_MAX_ENV = "AJET_SCALE_HOLD_MAX_S"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ajet_hpc.api import EpisodeContext
 from ajet_hpc.environments.arithmetic.tasks import reward
+from ajet_hpc.environments.episode import EpisodeContext
 
 
 def solve(ctx: EpisodeContext) -> float:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
 from ajet_hpc.environments.arithmetic.tasks import tasks as arithmetic_tasks
+from ajet_hpc.environments.episode import Task
 
 COUNT = 16
 

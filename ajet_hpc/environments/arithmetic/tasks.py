@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 
 def tasks(seed: int = 0) -> Iterator[Task]:

@@ -11,8 +11,8 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 
-from ajet_hpc.api import EpisodeContext, Outcome
 from ajet_hpc.environments.calculator.tools import SYSTEM, TOOLS, reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 with warnings.catch_warnings():  # create_react_agent is LangGraph's own; v1 points at langchain.agents
     warnings.simplefilter("ignore")

@@ -11,8 +11,8 @@ from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from agents.models.openai_responses import OpenAIResponsesModel
 from openai import AsyncOpenAI
 
-from ajet_hpc.api import EpisodeContext, Outcome
 from ajet_hpc.environments.calculator.tools import SYSTEM, TOOLS, reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 MAX_TURNS = 4
 MAX_TOKENS = 48

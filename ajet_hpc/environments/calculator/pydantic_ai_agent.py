@@ -11,8 +11,8 @@ from pydantic_ai.models.openai import OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.usage import UsageLimits
 
-from ajet_hpc.api import EpisodeContext, Outcome
 from ajet_hpc.environments.calculator.tools import SYSTEM, TOOLS, reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 MAX_TURNS = 4
 MAX_TOKENS = 48

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 COUNT = 300
 KEYS = {"alpha": 17, "beta": 42, "gamma": 7, "delta": 123, "omega": 999}  # the calculator's lookup table

@@ -17,7 +17,8 @@ import re
 import secrets
 from typing import Any
 
-from ajet_hpc.api import EpisodeContext, Limits, Outcome, run_python
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
+from ajet_hpc.environments.sandbox import Limits, run_python
 from ajet_hpc.environments.single_call import ask
 
 MAX_TOKENS = 96

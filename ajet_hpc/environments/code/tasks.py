@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 COUNT = 600
 CASES = 5

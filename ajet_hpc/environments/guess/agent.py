@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from ajet_hpc.api import EpisodeContext, Outcome
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 from ajet_hpc.environments.guess.tasks import MAX_TURNS, TOOLS, feedback
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 MAX_TURNS = 4
 TOOLS = [

@@ -3,7 +3,8 @@ once, reward with math-verify (``environments.rewards.math_answer``), whatever f
 
 from __future__ import annotations
 
-from ajet_hpc.api import EpisodeContext, Outcome, math_reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
+from ajet_hpc.environments.rewards.math_answer import math_reward
 from ajet_hpc.environments.single_call import ask
 
 INSTRUCTION = "Give the final answer in \\boxed{}."

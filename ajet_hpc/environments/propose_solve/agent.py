@@ -7,8 +7,8 @@ reward while the episode is one story.
 
 from __future__ import annotations
 
-from ajet_hpc.api import EpisodeContext, Outcome
 from ajet_hpc.environments.arithmetic.tasks import reward as answer_reward
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 from ajet_hpc.environments.propose_solve.tasks import parse_proposal, proposal_form
 
 

@@ -14,7 +14,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 PROPOSAL = re.compile(r"\s*(\d)\s*\+\s*(\d)")
 

@@ -6,7 +6,8 @@ the episode's metadata names the dataset and keeps the answer that was scored.
 
 from __future__ import annotations
 
-from ajet_hpc.api import EpisodeContext, Outcome, reasoning_gym_score
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
+from ajet_hpc.environments.reasoning_gym.source import score as reasoning_gym_score
 from ajet_hpc.environments.single_call import ask
 
 INSTRUCTION = "Answer with the final answer only, after 'Answer:'."

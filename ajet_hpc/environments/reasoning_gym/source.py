@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 PREFIX = "reasoning_gym:"
 DEFAULT_SIZE = 500

@@ -19,7 +19,7 @@ from typing import Any
 
 import textarena as ta
 
-from ajet_hpc.api import EpisodeContext, Outcome
+from ajet_hpc.environments.episode import EpisodeContext, Outcome
 
 MAX_TURNS = 24
 MAX_TOKENS = 16

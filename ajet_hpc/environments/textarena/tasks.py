@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ajet_hpc.client.api import Task
+from ajet_hpc.environments.episode import Task
 
 COUNT = 1000
 GAME = {"env_id": "IteratedPrisonersDilemma-v0", "env_kwargs": {"num_rounds": 2, "communication_turns": 1}}

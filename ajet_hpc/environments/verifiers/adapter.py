@@ -34,7 +34,7 @@ import verifiers.v1 as vf
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.harnesses.null.harness import NullHarness
 
-from ajet_hpc.api import EpisodeContext, ModelHandle, Outcome
+from ajet_hpc.environments.episode import EpisodeContext, ModelHandle, Outcome
 
 TASKSET_VARIABLE = "AJET_VERIFIERS_TASKSET"
 """Environment variable naming the verifiers taskset ``tasks()`` lists (default: ``EXAMPLE``)."""
