@@ -36,8 +36,8 @@ MARKS = [
     ("start", re.compile(r"INFO ajet_hpc\.server\.process: server \S+ \(job .*listening on")),
     ("engine", re.compile(r"INFO ajet_hpc\.engine\.\w+: (\w+) engine: loaded /")),
     ("ready", re.compile(r"INFO ajet_hpc\.server\.process: ready at")),
-    ("first step", re.compile(r"coordinator: (step 1/|resumed \S+ at step)")),
-    ("training", re.compile(r"coordinator: training of \S+ finished")),
+    ("first step", re.compile(r"coordinator(?:\.loop)?: (step 1/|resumed \S+ at step)")),
+    ("training", re.compile(r"coordinator(?:\.loop)?: training of \S+ finished")),
 ]
 BEGIN = re.compile(r"submitit INFO \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 
