@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slur
 def launch(config: str, run: Path, *overrides: str) -> dict[str, str]:
     done = run_module(
         "ajet_hpc.launch",
-        str(REPO / "configs" / config),
+        str(REPO / "configs" / config),  # an absolute path stays as it is
         f"run.dir={run}",
         "cluster.backend=slurm",
         *overrides,
@@ -105,18 +105,35 @@ def test_two_models_train_apart_on_shared_episodes(tmp_path: Path) -> None:
 
 def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> None:
     """configs/propose_solve_lora.yaml on Slurm: one server job serves the proposer and the solver as two
-    LoRA adapters of one base. ``scontrol requeue`` of that job mid-run: both adapters save the step they
-    are at, the requeued job reloads both into its new engine before it serves, and every step of each
-    adapter is trained and recorded exactly once."""
+    LoRA adapters of one base, each with its own trainer, and the agent addresses them by name as it does
+    two servers; the bare base and a frozen adapter from a folder are more models of that server.
+    ``scontrol requeue`` of that job mid-run: both adapters save the step they are at, the requeued job
+    reloads both into its new engine before it serves, and every step of each adapter is trained and
+    recorded exactly once. Both policy versions advance, each adapter's rewards are in the metrics, and
+    each adapter exports on its own."""
+    import yaml
+
+    from ajet_hpc.config.lora import LoraConfig
+    from ajet_hpc.engine.adapter import write_initial_adapter
+    from ajet_hpc.engine.model_path import resolve_model
+    from ajet_hpc.storage import rendezvous
+
     run = tmp_path / "run"
     steps = 8
+    # an opponent that does not learn: an adapter folder of the base, served frozen beside the two
+    base = resolve_model("builtin:tiny", tmp_path / "models")
+    opponent = write_initial_adapter(base, LoraConfig(rank=8), tmp_path / "opponent")
+    topology = yaml.safe_load((REPO / "configs" / "propose_solve_lora.yaml").read_text())
+    topology["servers"][0]["adapters"].append({"name": "opponent", "trainer": None, "adapter": str(opponent)})
+    config = tmp_path / "propose_solve_lora.yaml"
+    config.write_text(yaml.safe_dump(topology))
     overrides = [
         f"servers.base.adapters.{name}.trainer.{key}={value}"
         for name in ("proposer", "solver")
         for key, value in (("total_steps", steps), ("tasks_per_batch", 4), ("save_every", 3))
     ]
-    jobs = launch("propose_solve_lora.yaml", run, "servers.base.time=30:00", *overrides)
-    assert set(jobs) == {"server-base", "clients-pairs"}
+    jobs = launch(str(config), run, "servers.base.time=30:00", *overrides)
+    assert set(jobs) == {"server-base", "clients-pairs"}  # one server job for the four models
 
     def steps_of(model: str) -> list[int]:
         if not (run / "metrics.jsonl").is_file():
@@ -137,18 +154,53 @@ def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> No
         subprocess.run(["scancel", *jobs.values()], check=False, capture_output=True)
     log = server_log()
     for model in ("proposer", "solver"):
+        mine = [r for r in rows(run) if r.get("model") == model and "step" in r]
         assert steps_of(model) == list(range(1, steps + 1)), model  # every step recorded once
-        versions = [r["policy_version"] for r in rows(run) if r.get("model") == model and "step" in r]
-        assert versions == list(range(1, steps + 1)), model
+        assert [r["policy_version"] for r in mine] == list(range(1, steps + 1)), model
+        assert all(r["weight_sync"] == "disk" and "reward_mean" in r for r in mine), model
         trained = ranks_trained_steps(run, model)
         assert sorted(trained) == list(range(1, steps + 1)) and set(trained.values()) == {1}, trained
         assert re.search(rf"resumed {model} at step [1-9]", log), model  # reloaded into the new engine
         assert f"{model} resumes from a checkpoint: new episodes wait" in log  # ... before it serves
         assert (run / "data" / f"{model}.h5").is_file()
+        assert (run / "ckpt" / model / "ds" / "trainer_state.json").is_file()
+        assert f"loaded adapter {model}" in log
+    assert not (run / "ckpt" / "base").exists()  # the bare base does not train
+    assert f"model opponent: the frozen adapter {opponent}" in log
+    records = {
+        name: rendezvous.read(run / "servers" / f"{name}.json")
+        for name in ("base", "proposer", "solver", "opponent")
+    }
+    assert all(record is not None for record in records.values()), records
+    assert len({r.port for r in records.values() if r}) == 1  # one port, one engine, four models
+    assert {name: r.url.rsplit("/", 2)[-2:] for name, r in records.items() if r} == {
+        name: ["m", name] for name in records
+    }
+    assert all(r.state == "finished" for r in records.values() if r)
+    results = [r for path in (run / "data" / "clients" / "pairs").glob("*.h5") for r in read_results(path)]
+    assert results and all(set(r.episode_ids) == {"proposer", "solver"} for r in results)
     assert log.count("vllm engine: loaded /") == 2  # one engine per start, both adapters on it
-    assert "episodes still open after" not in log  # the clients left no episode for the server to wait on
+    # the clients left no episode for the server to wait on (a pair whose second begin was refused, one
+    # model done, left none open either)
+    assert "episodes still open after" not in log
     out = subprocess.run(["scontrol", "show", "job", jobs["server-base"]], capture_output=True, text=True)
     assert "Restarts=1" in out.stdout
+    exported = tmp_path / "solver"
+    done = run_module(
+        "ajet_hpc.cli",
+        "export",
+        str(run),
+        "--step",
+        str(steps),
+        "-o",
+        str(exported),
+        "--model",
+        "solver",
+        "--adapter",
+        timeout_s=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (exported / "adapter_config.json").is_file()  # the solver's adapter alone
 
 
 def test_mixed_tasks_hold_the_ratio_in_every_batch(tmp_path: Path) -> None:

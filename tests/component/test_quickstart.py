@@ -185,63 +185,6 @@ def test_quickstart_with_a_lora_adapter_learns(tmp_path: Path) -> None:
     )
 
 
-def test_two_adapters_of_one_base_train_on_one_server(tmp_path: Path, tiny_model: Path) -> None:
-    """configs/propose_solve_lora.yaml: the proposer and the solver are two LoRA adapters served by one vLLM
-    engine in one server job, each with its own trainer; the agent addresses them by name as it does two
-    servers. Both policy versions advance, each adapter's rewards are in the metrics, the bare base and a
-    frozen adapter from a folder are more models of the server, and each adapter exports on its own."""
-    import yaml
-
-    from ajet_hpc.config.lora import LoraConfig
-    from ajet_hpc.engine.adapter import write_initial_adapter
-    from ajet_hpc.storage import rendezvous
-    from ajet_hpc.storage.client_store import read_results
-
-    run = tmp_path / "swarm"
-    steps = 3
-    # an opponent that does not learn: an adapter folder of the base, served frozen beside the two
-    opponent = write_initial_adapter(tiny_model, LoraConfig(rank=8), tmp_path / "opponent")
-    topology = yaml.safe_load((REPO / "configs" / "propose_solve_lora.yaml").read_text())
-    topology["servers"][0]["adapters"].append({"name": "opponent", "trainer": None, "adapter": str(opponent)})
-    config = tmp_path / "propose_solve_lora.yaml"
-    config.write_text(yaml.safe_dump(topology))
-    overrides = [
-        f"servers.base.adapters.{name}.trainer.{key}={value}"
-        for name in ("proposer", "solver")
-        for key, value in (("total_steps", steps), ("tasks_per_batch", 4), ("save_every", steps))
-    ]
-    _, rows = run_locally(str(config), run, *overrides)
-    jobs = [entry["name"] for entry in json.loads((run / "jobs.json").read_text())]
-    assert sorted(jobs) == ["clients-pairs", "server-base"]  # one server job for the three models
-    for model in ("proposer", "solver"):
-        mine = [row for row in rows if row["model"] == model]
-        assert [row["step"] for row in mine] == list(range(1, steps + 1)), model
-        assert [row["policy_version"] for row in mine] == list(range(1, steps + 1)), model
-        assert all(row["weight_sync"] == "disk" and "reward_mean" in row for row in mine)
-        assert (run / "ckpt" / model / "ds" / "trainer_state.json").is_file()
-    records = {}
-    for name in ("base", "proposer", "solver", "opponent"):
-        record = rendezvous.read(run / "servers" / f"{name}.json")
-        assert record is not None, name
-        records[name] = record
-    assert len({r.port for r in records.values()}) == 1  # one port, one engine, four models
-    assert {name: r.url.rsplit("/", 2)[-2:] for name, r in records.items()} == {
-        name: ["m", name] for name in records
-    }
-    assert all(r.state == "finished" for r in records.values())
-    assert not (run / "ckpt" / "base").exists()  # the bare base does not train
-    results = [r for path in (run / "data" / "clients" / "pairs").glob("*.h5") for r in read_results(path)]
-    assert results and all(set(r.episode_ids) == {"proposer", "solver"} for r in results)
-    server_log = "".join(p.read_text() for p in (run / "logs" / "server-base").glob("*_log.out"))
-    assert server_log.count("vllm engine: loaded /") == 1  # one engine for both adapters
-    assert "loaded adapter proposer" in server_log and "loaded adapter solver" in server_log
-    assert f"model opponent: the frozen adapter {opponent}" in server_log
-    # a pair whose second begin was refused (one model done) left no episode open for the server to wait on
-    assert "episodes still open after" not in server_log
-    export(run, tmp_path / "solver", "--model", "solver", "--adapter", step=steps)
-    assert (tmp_path / "solver" / "adapter_config.json").is_file()
-
-
 VLLM_LOADS = """
 import sys
 from vllm import LLM, SamplingParams
