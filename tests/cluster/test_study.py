@@ -28,6 +28,9 @@ from study_support import (
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm")]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 7  # below the second rung (8): the victim completes, never pruned at its last step
+# Not fewer (component/test_study_local.py runs 5): a good trial is held anywhere from step 2 to STEPS - 3,
+# and a trial here has g1 to itself and trains about a step a second (step 1 to 2 in 0.8 s, 2026-12-07), so
+# 5 steps would leave the test about a second to hold it; the steps are a few seconds of this test's time.
 SEEDS = [1, 2]
 
 
