@@ -106,7 +106,7 @@ SMOKE = [
     ),
     pytest.param(
         "startup.py",
-        ["--runs", "1", "--engine", "transformers"],
+        ["--runs", "1", "--engine", "transformers", "--smoke"],
         ["first_step_with_s", "first_step_after_s", "speedup"],
         {},
         id="startup",
