@@ -36,8 +36,17 @@ SMOKE = [
     ),
     pytest.param(
         "merge.py",
-        ["--turns", "5", "--forked", "5", "--repeats", "1", "--merge-repeats", "1"],
-        ["linear_5", "tree_5", "limit_frac_5", "tree_vs_linear_forked", "merge_ms_25"],
+        # 3 turns: the forked variant's retry (every fifth turn from the third) is its last turn
+        ["--turns", "3", "--forked", "3", "--repeats", "1", "--merge-repeats", "1"],
+        [
+            "linear_3",
+            "tree_3",
+            "limit_frac_3",
+            "tree_vs_linear_forked",
+            "merge_ms_25",
+            "merge_ms_50",
+            "text_ms_50",
+        ],
         {},
         id="merge-training",
         marks=SLOW,
@@ -66,7 +75,7 @@ SMOKE = [
     ),
     pytest.param(
         "output_layer.py",
-        ["--quick"],
+        ["--quick", "--vocab", "4096"],  # every part; Qwen2.5's 151k vocabulary is the benchmark's
         ["vocab_speedup", "logits_mem_ratio"],
         {},
         id="output_layer",
@@ -97,7 +106,7 @@ SMOKE = [
     ),
     pytest.param(
         "startup.py",
-        ["--runs", "1", "--engine", "transformers"],
+        ["--runs", "1", "--engine", "transformers", "--smoke"],
         ["first_step_with_s", "first_step_after_s", "speedup"],
         {},
         id="startup",
@@ -105,9 +114,9 @@ SMOKE = [
     ),
     pytest.param(
         "algorithms.py",
-        ["--algorithms", "gspo", "--seeds", "0", "--steps", "2", "--engine", "transformers"],
+        ["--smoke", "--algorithms", "gspo", "--seeds", "0", "--steps", "1", "--engine", "transformers"],
         ["steps_to_target_gspo", "final_reward_gspo", "learned_gspo", "eval_pass1_gspo"],
-        {"steps_to_target_gspo": "inf"},  # the target is rarely reached in 2 steps
+        {"steps_to_target_gspo": "inf"},  # the target is rarely reached in 1 step
         id="algorithms",
         marks=SLOW,
     ),

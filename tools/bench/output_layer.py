@@ -2,9 +2,11 @@
 
     .venv/bin/python tools/bench/output_layer.py            # full: 8k tokens, 1.5k trained, 3 timed pairs
     .venv/bin/python tools/bench/output_layer.py --quick    # 2k tokens, 384 trained, 1 pair (a smoke check)
+    .venv/bin/python tools/bench/output_layer.py --quick --vocab 4096   # the smoke test's: it runs, no figure
 
 The model is a randomly initialised two-layer Qwen2 (hidden 128, tied embeddings, as ``builtin:tiny-qwen``)
-with Qwen2.5's 151,643-token vocabulary, built here (no download), float32 on the CPU. The step is 8
+with Qwen2.5's 151,643-token vocabulary (``--vocab`` sets another, for a run that only checks the script:
+the figures are the full vocabulary's), built here (no download), float32 on the CPU. The step is 8
 samples of 1,024 tokens, each with three 64-token answers of the model (loss mask 1): 8,192 tokens, 1,536
 trained. Both computations run the trainer's loop without DeepSpeed (``trainer/ranks/step.py`` adds only the
 gradient reduction): micro-batches of ``micro_batch_tokens`` 2,048 (today's path on one 8k micro-batch would
@@ -51,15 +53,16 @@ ANSWERS, ANSWER_TOKENS = 3, 64
 MICRO_BATCH_TOKENS = 2048
 
 
-def build_model(seed: int = 0):
-    """``builtin:tiny-qwen``'s network with the 151,643-token vocabulary (no padding rows, no pad id)."""
-    model = tiny_qwen.build_model(VOCAB, seed)
+def build_model(vocab: int = VOCAB, seed: int = 0):
+    """``builtin:tiny-qwen``'s network with a ``vocab``-token vocabulary (no padding rows, no pad id)."""
+    model = tiny_qwen.build_model(vocab, seed)
     model.config.use_cache = False
     return model.float().train()
 
 
-def workload(samples: int, seed: int = 0) -> list[Sample]:
-    """``samples`` sequences of SAMPLE_TOKENS random tokens, each with ANSWERS trained answers."""
+def workload(samples: int, vocab: int = VOCAB, seed: int = 0) -> list[Sample]:
+    """``samples`` sequences of SAMPLE_TOKENS random tokens below ``vocab``, each with ANSWERS trained
+    answers."""
     rng = random.Random(seed)
     out = []
     gap = SAMPLE_TOKENS // ANSWERS
@@ -70,7 +73,7 @@ def workload(samples: int, seed: int = 0) -> list[Sample]:
             mask[start : start + ANSWER_TOKENS] = [1] * ANSWER_TOKENS
         out.append(
             Sample(
-                token_ids=[rng.randrange(VOCAB) for _ in range(SAMPLE_TOKENS)],
+                token_ids=[rng.randrange(vocab) for _ in range(SAMPLE_TOKENS)],
                 loss_mask=mask,
                 old_logprobs=[-rng.uniform(1, 12) * m for m in mask],
                 advantages=[(1.0 if i % 2 else -1.0) * m for m in mask],
@@ -159,12 +162,12 @@ def peak_bytes(model, samples: list[Sample], config: TrainerConfig, compute) -> 
     return peak
 
 
-def measure_vocab(quick: bool) -> dict[str, float]:
+def measure_vocab(quick: bool, vocab: int = VOCAB) -> dict[str, float]:
     """Old against new on the same model and samples; the keys of the RESULT line and the raw figures."""
     torch.manual_seed(0)
     config = TrainerConfig(micro_batch_tokens=MICRO_BATCH_TOKENS)
-    samples = workload(2 if quick else 8)
-    model = build_model()
+    samples = workload(2 if quick else 8, vocab)
+    model = build_model(vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     paths = {"old": old_logprobs, "new": new_logprobs(config)}
     step(model, optimizer, samples, config, paths["new"])  # warm-up: Adam's state, the head check
@@ -194,10 +197,17 @@ def measure_vocab(quick: bool) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2k tokens per step, one timed pair")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=VOCAB,
+        help=f"vocabulary size (default {VOCAB:,}, Qwen2.5's: the figures are that vocabulary's); smaller "
+        "only to check that the script runs",
+    )
     args = parser.parse_args(argv)
-    r = measure_vocab(args.quick)
+    r = measure_vocab(args.quick, args.vocab)
     print(
-        f"step of {r['tokens']:.0f} tokens ({r['trained_tokens']:.0f} trained), vocabulary {VOCAB}, "
+        f"step of {r['tokens']:.0f} tokens ({r['trained_tokens']:.0f} trained), vocabulary {args.vocab}, "
         f"micro-batches of {MICRO_BATCH_TOKENS} tokens, logits_chunk_tokens {r['chunk_tokens']:.0f}"
     )
     print(f"old: {r['old_s']:.2f} s, peak {r['old_peak_mb']:.0f} MiB")

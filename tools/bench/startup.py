@@ -3,10 +3,12 @@
 
     .venv/bin/python tools/bench/startup.py            # the quickstart, 3 launches each way, alternating
     .venv/bin/python tools/bench/startup.py --runs 1   # a smoke check
+    .venv/bin/python tools/bench/startup.py --runs 1 --engine transformers --smoke   # the smoke test's
     --engine vllm|transformers  --steps N  --dir DIR
 
 Each launch is the quickstart (``configs/quickstart.yaml``) on the local backend in the foreground
 (``python -m ajet_hpc.launch``) with ``trainer.total_steps`` = ``--steps``, the two orders in turn.
+``--smoke`` makes the quickstart small (``SMOKE``): a run that only checks that the script runs.
 ``first_step_s`` is the first metrics row's ``time`` less the moment the launch began; ``run_s`` is the
 launch's wall time. The clients start with the server both ways, so the first step also waits for the first
 batch of episodes: what a user waits for after ``make run`` or after a requeue. It ends with one line::
@@ -29,8 +31,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+SMOKE = [
+    "servers.policy.trainer.ranks=1",
+    "servers.policy.trainer.tasks_per_batch=2",
+    "clients.math.array=1",
+]
+"""``--smoke``'s overrides of the quickstart: 1 rank, steps of 2 tasks (16 episodes), 1 client task. The
+run keeps every part (engine, DeepSpeed rank, clients, steps); its figures are not the quickstart's.
+``algorithms.py --smoke`` starts from them too."""
 
-def launch(run: Path, engine: str, steps: int, with_engine: bool) -> tuple[float, float]:
+
+def launch(run: Path, engine: str, steps: int, with_engine: bool, smoke: bool) -> tuple[float, float]:
     """One quickstart run; (first_step_s, run_s)."""
     command = [
         sys.executable,
@@ -42,6 +53,7 @@ def launch(run: Path, engine: str, steps: int, with_engine: bool) -> tuple[float
         f"servers.policy.trainer.total_steps={steps}",
         f"servers.policy.trainer.start_with_engine={str(with_engine).lower()}",
         "clients.math.eval=null",  # an eval round at step 0 would hold the first step: not start-up
+        *(SMOKE if smoke else []),
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     began = time.time()
@@ -59,13 +71,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--engine", choices=["vllm", "transformers"], default="vllm")
     parser.add_argument("--dir", help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="a small quickstart: does the script run")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="ajet-startup-"))
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for i in range(args.runs):
         for with_engine in (True, False) if i % 2 == 0 else (False, True):
             name = f"{i}-{'with' if with_engine else 'after'}"
-            first, run = launch(root / name, args.engine, args.steps, with_engine)
+            first, run = launch(root / name, args.engine, args.steps, with_engine, args.smoke)
             times[with_engine].append((first, run))
             print(f"{name:>8}: first step {first:6.1f} s, whole run {run:6.1f} s", flush=True)
 
