@@ -105,6 +105,12 @@ def tied_copy(model_dir: Path, dest: Path, sigma: float = 0.0, seed: int = 2) ->
     return Path(dest)
 
 
+SIGNAL_SAVED = r"signal: (?:checkpoint of step (?=\d+ saved)|step (?=\d+ is already checkpointed))(\d+)"
+"""The step a signal's save left checkpointed, in a server log: "signal: checkpoint of step N saved" or
+"signal: step N is already checkpointed"; not "step N was not handed to the ranks" nor "waiting for step
+N", which name the step in flight (a fast run logs the first of these before its checkpoint line)."""
+
+
 def recorded_steps(run_dir: Path) -> list[int]:
     """The steps ``metrics.jsonl`` of a run records, in order (event rows left out)."""
     from ajet_hpc.trainer.coordinator import metrics

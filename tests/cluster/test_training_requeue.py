@@ -23,7 +23,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import REPO, jobs_ended, ranks_trained_steps, recorded_steps, run_module, wait_until
+from support import (
+    REPO,
+    SIGNAL_SAVED,
+    jobs_ended,
+    ranks_trained_steps,
+    recorded_steps,
+    run_module,
+    wait_until,
+)
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
@@ -84,7 +92,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         # 1. preemption: USR2 → checkpoint of the current step → requeue → resume at that very step
         urgent = preempt("g1", tmp_path)
         saved = wait_until(
-            lambda: re.findall(r"signal: (?:checkpoint of step|step) (\d+)", server_log(run)),
+            lambda: re.findall(SIGNAL_SAVED, server_log(run)),
             180,
             "the server to checkpoint on the preemption signal",
         )
@@ -113,7 +121,7 @@ def test_quickstart_on_slurm_survives_preemption_and_requeue(tmp_path: Path) -> 
         )
         assert recorded_steps(run) == list(range(1, TOTAL + 1))  # every step exactly once
         second = resumes(run)[1]
-        saves = [int(s) for s in re.findall(r"signal: (?:checkpoint of step|step) (\d+)", server_log(run))]
+        saves = [int(s) for s in re.findall(SIGNAL_SAVED, server_log(run))]
         assert saves[:2] == [saved_at, second] and second >= before[-1]  # saved on SIGTERM, resumed there
         trained = ranks_trained_steps(run)
         assert sorted(trained) == list(range(1, TOTAL + 1))

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from support import (
     REPO,
+    SIGNAL_SAVED,
     jobs_ended,
     ranks_trained_steps,
     recorded_steps,
@@ -93,7 +94,7 @@ def test_sigterm_only_preemption_checkpoints_requeues_and_resumes(tmp_path: Path
             check=True,
         ).stdout.strip()
         saved = wait_until(
-            lambda: re.findall(r"signal: (?:checkpoint of step|step) (\d+)", server_log(run)),
+            lambda: re.findall(SIGNAL_SAVED, server_log(run)),
             120,
             "the server to checkpoint on SIGTERM",
         )
