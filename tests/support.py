@@ -84,6 +84,14 @@ def run_module(module: str, *args: str, timeout_s: float = 180) -> subprocess.Co
     )
 
 
+def export(run: Path, out: Path, *flags: str, step: int) -> None:
+    """``ajet-hpc export RUN --step STEP -o OUT FLAGS``, which must succeed."""
+    done = run_module(
+        "ajet_hpc.cli", "export", str(run), "--step", str(step), "-o", str(out), *flags, timeout_s=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def tied_copy(model_dir: Path, dest: Path, sigma: float = 0.0, seed: int = 2) -> Path:
     """``model_dir`` (an untied model, e.g. builtin:tiny) saved to ``dest`` with its output head tied to the
     input embedding (the shape of Qwen2.5 0.5B-3B and Llama-3.2 1B/3B), every weight moved by N(0, sigma)

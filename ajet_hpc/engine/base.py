@@ -87,6 +87,15 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` of a completion were sampled by policy version ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed increment of a completion.
 
@@ -96,11 +105,17 @@ class Chunk:
     set on the last chunk only: "stop" (EOS, stop token or stop string), "length" (``max_tokens`` or the
     end of the context) or "abort" (`Engine.abort` or the consumer stopped reading). The last chunk may
     carry no tokens.
+
+    ``versions``, on the last chunk of an engine that knows it, is which policy version sampled which
+    tokens of the whole completion: one span, or several when the weights were swapped while it ran (a
+    swap pauses generation and keeps the requests in flight). Empty where the engine cannot say; then the
+    version read when the request was submitted stands for it.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason | None = None
+    versions: tuple[VersionSpan, ...] = ()
 
 
 @runtime_checkable
@@ -179,13 +194,14 @@ async def generate_all(
     token_ids: list[int] = []
     logprobs: list[float] = []
     finish_reason: FinishReason | None = None
+    versions: tuple[VersionSpan, ...] = ()
     async for chunk in engine.generate(prompt_ids, params, request_id, stream=False):
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs
-        finish_reason = chunk.finish_reason
+        finish_reason, versions = chunk.finish_reason, chunk.versions
     if finish_reason is None:
         raise EngineError(f"request {request_id}: the stream ended without a finish reason")
-    return Chunk(token_ids, logprobs, finish_reason)
+    return Chunk(token_ids, logprobs, finish_reason, versions)
 
 
 class EngineLifecycle(ABC):

@@ -35,6 +35,7 @@ from ajet_hpc.engine.base import (
     EngineNotRunning,
     FinishReason,
     SamplingParams,
+    VersionSpan,
     check_prompt,
 )
 from ajet_hpc.engine.model_path import offline_hub
@@ -107,6 +108,9 @@ class TransformersEngine(EngineLifecycle):
         self.settings = settings or TransformersSettings()
         self.max_model_len = self.settings.max_model_len
         self.policy_version = 0
+        # the version of the weights the model holds, set on the worker thread with them: a request runs
+        # whole on that thread, so every token of it comes from this version (`Chunk.versions`)
+        self._weights_version = 0
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._model: Any = None
         self._device: torch.device | None = None
@@ -249,8 +253,11 @@ class TransformersEngine(EngineLifecycle):
                     text = new_text
                 if finish is None and step == max_tokens - 1:
                     finish = "length"
-                state.put(Chunk([token], [logprob], finish))
-                if finish is not None:
+                if finish is None:
+                    state.put(Chunk([token], [logprob]))
+                else:
+                    span = VersionSpan(self._weights_version, 0, len(sampled))
+                    state.put(Chunk([token], [logprob], finish, (span,)))
                     return
                 inputs = torch.tensor([[token]], device=self._device)
 
@@ -262,7 +269,9 @@ class TransformersEngine(EngineLifecycle):
         if self._worker is None:
             raise EngineNotRunning(NOT_RUNNING)
         started = time.monotonic()
-        await asyncio.get_running_loop().run_in_executor(self._worker, self._copy_weights, Path(path))
+        await asyncio.get_running_loop().run_in_executor(
+            self._worker, self._load_version, Path(path), version
+        )
         self.policy_version = version
         log.info(
             "transformers engine: loaded weights %s as policy version %d in %.3f s",
@@ -270,6 +279,10 @@ class TransformersEngine(EngineLifecycle):
             version,
             time.monotonic() - started,
         )
+
+    def _load_version(self, path: Path, version: int) -> None:
+        self._copy_weights(path)
+        self._weights_version = version
 
     def _copy_weights(self, path: Path) -> None:
         import torch

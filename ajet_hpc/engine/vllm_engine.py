@@ -43,6 +43,7 @@ from ajet_hpc.engine.base import (
     EngineNotRunning,
     FinishReason,
     SamplingParams,
+    VersionSpan,
     check_prompt,
 )
 from ajet_hpc.engine.model_path import offline_hub
@@ -148,6 +149,10 @@ class VllmEngine(EngineLifecycle):
         self._stopping = Path(os.devnull)  # set by start()
         self._lora: Any = None  # the LoRARequest a request without an adapter name carries (``lora_adapter``)
         self._adapters: dict[str, Any] = {}  # name -> the LoRARequest of every served adapter
+        # the policy version of each served model ("": the full weights, else an adapter's name), which
+        # vLLM's weight-version tag carries as JSON: each output token is tagged with the versions of the
+        # weights that sampled it, and a request's final output spans them (`_version_spans`)
+        self._versions: dict[str, int] = {}
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -198,6 +203,8 @@ class VllmEngine(EngineLifecycle):
             await self._add_adapter(name, Path(folder), inplace=False)
         if settings.lora_adapter is not None:
             self._lora = self._adapters[settings.lora_name]
+        self._versions = {"": self.policy_version} | {name: 0 for name in self._adapters}
+        await self._llm.update_weight_version(json.dumps(self._versions, sort_keys=True))
         log.info(
             "vllm engine: loaded %s (%s, %s, max_model_len %d) in %.1f s",
             self.model_path,
@@ -267,6 +274,7 @@ class VllmEngine(EngineLifecycle):
             lora_request=lora,
         )
         self._in_flight.add(request_id)
+        key = "" if lora is None else lora.lora_name
         try:
             async for output in outputs:
                 completion = output.outputs[0]
@@ -281,7 +289,11 @@ class VllmEngine(EngineLifecycle):
                 logprobs = _sampled_logprobs(token_ids, completion.logprobs)
                 if len(logprobs) != len(token_ids):
                     raise EngineError(f"request {request_id}: vLLM returned no logprob for some tokens")
-                yield Chunk(token_ids, logprobs, _FINISH_REASONS[finish] if finish else None)
+                if finish is None:
+                    yield Chunk(token_ids, logprobs)
+                else:
+                    spans = _version_spans(completion.weight_versions, key)
+                    yield Chunk(token_ids, logprobs, _FINISH_REASONS[finish], spans)
         except (VLLMValidationError, ValueError) as error:
             raise EngineError(f"request {request_id}: {error}") from error
         finally:
@@ -322,7 +334,7 @@ class VllmEngine(EngineLifecycle):
         async def reload() -> None:
             await self._llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
 
-        await self._paused_reload(reload, f"weights {path}", version, tag, tag_engine=True)
+        await self._paused_reload(reload, f"weights {path}", version, tag, key="")
 
     async def load_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
         """Replace the served adapter ``name`` by the folder ``path`` in place, as `load_weights` does for
@@ -340,9 +352,7 @@ class VllmEngine(EngineLifecycle):
         async def reload() -> None:
             await self._add_adapter(name, path, inplace=True)
 
-        # vLLM's weight version is one tag for the engine: it follows the default adapter only
-        tag_engine = name == self.settings.lora_name
-        await self._paused_reload(reload, f"adapter {name} from {path}", version, tag, tag_engine)
+        await self._paused_reload(reload, f"adapter {name} from {path}", version, tag, key=name)
 
     async def _paused_reload(
         self,
@@ -350,11 +360,12 @@ class VllmEngine(EngineLifecycle):
         what: str,
         version: int,
         tag: Callable[[], None],
-        tag_engine: bool,
+        key: str,
     ) -> None:
         """``reload`` with generation paused; then the prefix cache is reset (requests in flight recompute
         their KV cache: for an adapter, the prefix cache keys blocks by adapter, but its requests in flight
-        hold KV of its old weights), ``tag`` runs, and generation resumes."""
+        hold KV of its old weights), the model ``key`` is tagged as ``version`` (vLLM's weight version and
+        ``tag``), and generation resumes."""
         assert self._reload_lock is not None
         async with self._reload_lock:
             started = time.monotonic()
@@ -363,8 +374,7 @@ class VllmEngine(EngineLifecycle):
             try:
                 await reload()
                 await llm.reset_prefix_cache(reset_running_requests=True)
-                if tag_engine:
-                    await llm.update_weight_version(str(version))
+                await self._tag_weights(key, version)
                 tag()  # before any token of the new weights streams out
             finally:
                 await llm.resume_generation()
@@ -374,6 +384,11 @@ class VllmEngine(EngineLifecycle):
                 version,
                 time.monotonic() - started,
             )
+
+    async def _tag_weights(self, key: str, version: int) -> None:
+        """The tokens sampled from now on come from version ``version`` of the model ``key``."""
+        self._versions[key] = version
+        await self._llm.update_weight_version(json.dumps(self._versions, sort_keys=True))
 
     async def _add_adapter(self, name: str, path: Path, inplace: bool) -> None:
         """Load the adapter folder into vLLM as the adapter ``name`` (its id kept), in place of the one
@@ -433,7 +448,7 @@ class VllmEngine(EngineLifecycle):
                 await llm.collective_rpc("ajet_retie_output_head")
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 if argument is not None:
-                    await llm.update_weight_version(str(argument))
+                    await self._tag_weights("", int(argument))
                     self.policy_version = int(argument)  # before any token of the new weights streams out
             finally:
                 await self._end_update()
@@ -494,6 +509,22 @@ def _weight_transfer_args(backend: str | None) -> dict[str, Any]:
 
         register()  # in this process; the workers register it through our vLLM plugin entry point
     return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
+
+
+def _version_spans(spans: Any, key: str) -> tuple[VersionSpan, ...]:
+    """vLLM's weight-version spans of a request's output tokens as the policy versions of the model
+    ``key`` (neighbours of one version joined); () where a span carries no tag of ours."""
+    joined: list[VersionSpan] = []
+    for span in spans or ():
+        try:
+            version = json.loads(span.version)[key]
+        except (ValueError, KeyError, TypeError):  # vLLM's "default", before start() tagged the engine
+            return ()
+        if joined and joined[-1].version == version:
+            joined[-1] = VersionSpan(version, joined[-1].start, span.end)
+        else:
+            joined.append(VersionSpan(version, span.start, span.end))
+    return tuple(joined)
 
 
 def _sampled_logprobs(token_ids: list[int], found: Any) -> list[float]:

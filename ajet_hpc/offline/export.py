@@ -75,6 +75,7 @@ def sample_rows(model: ModelRun, chosen: EpisodeFilter) -> Iterator[dict[str, An
                 "state": record.state,
                 "turn": turn,
                 "policy_version": timeline.policy_version,
+                "version_spans": [list(span) for span in timeline.version_spans],
                 "finish_reason": timeline.finish_reason,
                 "prompt_tokens": n_prompt,
                 "token_ids": timeline.token_ids,

@@ -18,7 +18,15 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from ajet_hpc.config import ServingConfig
-from ajet_hpc.engine.base import Chunk, Engine, EngineError, EngineNotRunning, PromptTooLong, SamplingParams
+from ajet_hpc.engine.base import (
+    Chunk,
+    Engine,
+    EngineError,
+    EngineNotRunning,
+    PromptTooLong,
+    SamplingParams,
+    VersionSpan,
+)
 from ajet_hpc.server import http_schemas as p
 from ajet_hpc.server.episodes import OPEN, Episode
 from ajet_hpc.server.errors import ENGINE_NOT_RUNNING, BadRequest, NotFound, Unavailable
@@ -41,6 +49,12 @@ class Answer:
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     streamed: int = 0  # characters of visible text already sent
+    versions: tuple[VersionSpan, ...] = ()  # which policy version sampled which tokens (`Chunk.versions`)
+
+    def policy_version(self, submitted: int) -> int:
+        """The version of the weights that sampled its first tokens (the oldest, where a swap came while it
+        ran); ``submitted`` (read when it was submitted) where the engine does not say."""
+        return self.versions[0].version if self.versions else submitted
 
 
 @dataclass
@@ -206,6 +220,7 @@ class Service:
         answer.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None:
             answer.finish = chunk.finish_reason
+            answer.versions = chunk.versions
 
     def text_of(self, answer: Answer, stops: list[str]) -> tuple[str, bool]:
         """The answer's text without special tokens, cut before the first stop string (and whether cut)."""
@@ -232,7 +247,16 @@ class Service:
         reply: dict[str, Any] = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             reply["tool_calls"] = [call.model_dump() for call in done.tool_calls]
-        episode.live_tracker.record(plan, answer.ids, answer.logprobs, reply, done.finish_reason, version)
+        spans = [(s.version, s.start, s.end) for s in answer.versions] if len(answer.versions) > 1 else []
+        episode.live_tracker.record(
+            plan,
+            answer.ids,
+            answer.logprobs,
+            reply,
+            done.finish_reason,
+            answer.policy_version(version),
+            version_spans=spans,
+        )
 
     def logprobs_of(self, answer: Answer, start: int = 0, end: int | None = None) -> p.ChoiceLogprobs:
         tokenizer = self.engine.tokenizer
@@ -262,7 +286,10 @@ class Service:
             )
         self.served += 1
         return p.ChatCompletionResponse(
-            model=self.model_name, choices=choices, usage=_usage(plan, answers), policy_version=version
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(plan, answers),
+            policy_version=min(answer.policy_version(version) for answer in answers),
         )
 
     async def chat_stream(

@@ -169,6 +169,7 @@ class EpisodeReader:
                     reused_spans=[(int(s), int(e)) for s, e in extra["reused_spans"]],
                     started_at=float(trow["started_at"]),
                     finished_at=float(trow["finished_at"]),
+                    version_spans=[(int(v), int(s), int(e)) for v, s, e in extra.get("version_spans", ())],
                 )
             )
         meta = json.loads(ejson.tobytes())

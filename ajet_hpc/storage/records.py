@@ -187,21 +187,22 @@ def _loss_mask(timelines: list[Any], lengths: list[int]) -> np.ndarray:
 
 
 def _timeline_json(timelines: list[Any]) -> list[bytes]:
-    """The JSON record of each timeline: its messages, tools, finish reason, drift and reused spans."""
-    return [
-        _json(
-            {
-                "messages": t.messages,
-                "tools": t.tools,
-                "finish_reason": t.finish_reason,
-                "drift": [
-                    {"message_index": d.message_index, "kind": d.kind, "detail": d.detail} for d in t.drift
-                ],
-                "reused_spans": [[int(a), int(b)] for a, b in t.reused_spans],
-            }
-        )
-        for t in timelines
-    ]
+    """The JSON record of each timeline: its messages, tools, finish reason, drift and reused spans, and its
+    version spans where it has them (a key files written before it lack)."""
+    return [_json(_timeline_record(t)) for t in timelines]
+
+
+def _timeline_record(t: Any) -> dict[str, Any]:
+    record = {
+        "messages": t.messages,
+        "tools": t.tools,
+        "finish_reason": t.finish_reason,
+        "drift": [{"message_index": d.message_index, "kind": d.kind, "detail": d.detail} for d in t.drift],
+        "reused_spans": [[int(a), int(b)] for a, b in t.reused_spans],
+    }
+    if t.version_spans:
+        record["version_spans"] = [[int(x) for x in span] for span in t.version_spans]
+    return record
 
 
 def id_hash(episode_id: str) -> int:

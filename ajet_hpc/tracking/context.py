@@ -212,6 +212,7 @@ class ContextTracker:
         *,
         started_at: float | None = None,
         finished_at: float | None = None,
+        version_spans: Sequence[tuple[int, int, int]] = (),
     ) -> Timeline:
         """Add the call's timeline to the episode and remember its answer for the prompts that follow."""
         response = [int(token) for token in response_ids]
@@ -231,6 +232,7 @@ class ContextTracker:
             reused_spans=list(plan.reused_spans),
             started_at=plan.created_at if started_at is None else started_at,
             finished_at=time.time() if finished_at is None else finished_at,
+            version_spans=[(int(v), int(a), int(b)) for v, a, b in version_spans],
         )
         answer = _Answer(plan.history_key, self._variants(response))
         with self._lock:

@@ -71,6 +71,9 @@ class Timeline:
     reused_spans: list[tuple[int, int]] = field(default_factory=list)  # prompt positions [start, end)
     started_at: float = 0.0
     finished_at: float = 0.0
+    # (policy version, start, end) over the response's tokens where the weights were swapped while the call
+    # ran, so that more than one version sampled them (``policy_version`` is the first); empty otherwise
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         total = len(self.prompt_ids) + len(self.response_ids)
@@ -91,6 +94,7 @@ class Timeline:
         """A JSON-safe dict (lists, str, numbers, None)."""
         data = asdict(self)
         data["reused_spans"] = [list(span) for span in self.reused_spans]
+        data["version_spans"] = [list(span) for span in self.version_spans]
         return data
 
     @classmethod
@@ -98,4 +102,5 @@ class Timeline:
         fields = dict(data)
         fields["drift"] = [DriftEvent(**event) for event in data.get("drift", [])]
         fields["reused_spans"] = [(int(start), int(end)) for start, end in data.get("reused_spans", [])]
+        fields["version_spans"] = [tuple(int(x) for x in span) for span in data.get("version_spans", [])]
         return cls(**fields)

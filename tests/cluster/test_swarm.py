@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import REPO, jobs_ended, ranks_trained_steps, run_module, wait_until
+from support import REPO, export, jobs_ended, ranks_trained_steps, run_module, wait_until
 
 from ajet_hpc.slurm import slurmcli
 from ajet_hpc.storage.client_store import read_results
@@ -186,20 +186,7 @@ def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> No
     out = subprocess.run(["scontrol", "show", "job", jobs["server-base"]], capture_output=True, text=True)
     assert "Restarts=1" in out.stdout
     exported = tmp_path / "solver"
-    done = run_module(
-        "ajet_hpc.cli",
-        "export",
-        str(run),
-        "--step",
-        str(steps),
-        "-o",
-        str(exported),
-        "--model",
-        "solver",
-        "--adapter",
-        timeout_s=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    export(run, exported, "--model", "solver", "--adapter", step=steps)
     assert (exported / "adapter_config.json").is_file()  # the solver's adapter alone
 
 

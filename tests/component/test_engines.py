@@ -19,7 +19,15 @@ import torch
 from support import tied_copy
 from transformers import AutoModelForCausalLM
 
-from ajet_hpc.engine.base import Chunk, Engine, EngineNotRunning, PromptTooLong, SamplingParams, generate_all
+from ajet_hpc.engine.base import (
+    Chunk,
+    Engine,
+    EngineNotRunning,
+    PromptTooLong,
+    SamplingParams,
+    VersionSpan,
+    generate_all,
+)
 from ajet_hpc.engine.model_path import resolve_model
 from ajet_hpc.engine.select import vllm_available
 from ajet_hpc.engine.transformers_engine import TransformersEngine, TransformersSettings, job_cpus
@@ -286,10 +294,13 @@ def test_load_weights_matches_a_fresh_load(
     prompt = prompt_of(engine, "Which weights?")
     before = run(generate_all(engine, prompt, GREEDY, "before"))
     version = engine.policy_version
+    # each completion says which weights sampled it (the server records that, not a version read before)
+    assert before.versions == (VersionSpan(version, 0, len(before.token_ids)),)
     run(engine.load_weights(perturbed, version + 1))
     try:
         assert engine.policy_version == version + 1
         after = run(generate_all(engine, prompt, GREEDY, "after"))
+        assert after.versions == (VersionSpan(version + 1, 0, len(after.token_ids)),)
         assert max_diff(after.logprobs, score(perturbed, prompt, after.token_ids)) < TOL
         assert after.token_ids != before.token_ids or max_diff(after.logprobs, before.logprobs) > 1e-2
     finally:
@@ -304,7 +315,8 @@ def test_vllm_reload_mid_request_switches_weights_between_tokens(
     run: Run, vllm_engine: VllmEngine, tiny: Path, perturbed: Path, score
 ) -> None:
     """Tokens sampled before the reload score under the old weights, those after under the new ones
-    over the whole prefix: the KV cache of the request in flight was recomputed."""
+    over the whole prefix: the KV cache of the request in flight was recomputed. The last chunk's
+    version spans (vLLM's weight-version tags) split the tokens exactly there."""
     prompt = prompt_of(vllm_engine, "Keep going.")
     version = vllm_engine.policy_version
 
@@ -333,6 +345,7 @@ def test_vllm_reload_mid_request_switches_weights_between_tokens(
     assert "new" in which, which  # "?": the KV cache of the old weights was kept
     switch = which.index("new")
     assert switch >= 10 and which == ["old"] * switch + ["new"] * (60 - switch), which
+    assert chunks[-1].versions == (VersionSpan(version, 0, switch), VersionSpan(version + 1, switch, 60))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import OFF_POLICY, REPO, assert_off_policy_metrics, run_module
+from support import OFF_POLICY, REPO, assert_off_policy_metrics, export, run_module
 
 from ajet_hpc.storage.episode_store_reader import EpisodeReader
 from ajet_hpc.trainer.coordinator import metrics
@@ -197,14 +197,19 @@ if __name__ == "__main__":
 
 
 def recorded_calls(run: Path, version: int) -> list[tuple[list[int], int, list[float]]]:
-    """(token ids, prompt length, the engine's recorded logprobs) of every call made at policy ``version``."""
+    """(token ids, prompt length, the engine's recorded logprobs) of every call sampled whole by policy
+    ``version`` (not one whose tokens span a weight swap: its later tokens came from the next version)."""
     from ajet_hpc.offline.export import sample_rows
     from ajet_hpc.offline.run import Run
     from ajet_hpc.offline.views import EpisodeFilter
 
     with Run.open(run) as opened:
         (model,) = opened.models()
-        rows = [r for r in sample_rows(model, EpisodeFilter()) if r["policy_version"] == version]
+        rows = [
+            r
+            for r in sample_rows(model, EpisodeFilter())
+            if r["policy_version"] == version and not r["version_spans"]
+        ]
     return [(r["token_ids"], r["prompt_tokens"], r["logprobs"][r["prompt_tokens"] :]) for r in rows]
 
 
@@ -225,10 +230,3 @@ def assert_folder_reproduces(folder: Path, calls, base: Path | None = None) -> N
         mine = table.gather(1, torch.tensor(ids[prompt:])[:, None])[:, 0].tolist()
         worst = max(worst, *(abs(a - b) for a, b in zip(mine, recorded, strict=True)))
     assert worst <= 1e-3, worst
-
-
-def export(run: Path, out: Path, *flags: str, step: int) -> None:
-    done = run_module(
-        "ajet_hpc.cli", "export", str(run), "--step", str(step), "-o", str(out), *flags, timeout_s=300
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

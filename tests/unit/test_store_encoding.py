@@ -56,6 +56,7 @@ def reference_encode(record: EpisodeRecord) -> Append:
                     {"message_index": d.message_index, "kind": d.kind, "detail": d.detail} for d in t.drift
                 ],
                 "reused_spans": [[int(a), int(b)] for a, b in t.reused_spans],
+                **({"version_spans": [list(span) for span in t.version_spans]} if t.version_spans else {}),
             }
         )
         for t in timelines
@@ -213,6 +214,9 @@ def random_record(rng: random.Random, index: int) -> EpisodeRecord:
                 reused_spans=[(0, len(prompt))] if rng.random() < 0.5 else [],
                 started_at=rng.random(),
                 finished_at=rng.random(),
+                version_spans=[(1, 0, 1), (2, 1, len(response))]
+                if len(response) > 1 and rng.random() < 0.2
+                else [],
             )
         )
     return EpisodeRecord(
