@@ -131,7 +131,9 @@ def test_five_turn_episode_round_trip(tmp_path: Path, chunk_tokens: int) -> None
         five = reader.episode("ep-0")
         assert len(five.timelines) == 5 and five.timelines[2].drift[0].kind == "context_retokenized"
         assert five.timelines[4].reused_spans == [(12, 19), (30, 37), (48, 55), (66, 73)]
-        assert five.timelines[1].version_spans == [(0, 0, 1), (1, 1, 7)] and not five.timelines[2].version_spans
+        assert (
+            five.timelines[1].version_spans == [(0, 0, 1), (1, 1, 7)] and not five.timelines[2].version_spans
+        )
         summary = reader.summaries()[1]
     assert set(summary) == SUMMARY_KEYS
     assert summary["episode_id"] == "ep-1" and summary["index"] == 1
