@@ -1,5 +1,5 @@
-"""The engine a server job runs and how it serves agents: ``serving`` (limits, episodes, TLS, connections)
-and ``vllm`` (the vLLM engine's settings)."""
+"""The engine a server job runs and how it serves agents: ``engine`` (its kind, weights, GPUs and ``vllm``,
+the vLLM engine's settings) and ``serving`` (limits, episodes, TLS, connections)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from ajet_hpc.config.fields import MODEL_CONFIG, NotBool
+from ajet_hpc.config.fields import MODEL_CONFIG, ModelSource, NotBool
 from ajet_hpc.config.lora import VLLM_LORA_RANKS
 
 
@@ -133,7 +133,7 @@ class VllmConfig(BaseModel):
         default=None,
         ge=1,
         description="With LoRA: adapters vLLM holds on the device at once; at least the server's LoRA models "
-        "(its own trainer.lora and its adapters); null: exactly that many.",
+        "(those with trainer.lora, and those served from an adapter folder); null: exactly that many.",
     )
     max_lora_rank: Annotated[int, NotBool] | None = Field(
         default=None,
@@ -147,3 +147,26 @@ class VllmConfig(BaseModel):
         if value is not None and value not in VLLM_LORA_RANKS:
             raise ValueError(f"must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's LoRA ranks)")
         return value
+
+
+class EngineConfig(BaseModel):
+    """The one inference engine of a server job: its kind, the base model's weights, its GPUs, and vLLM's
+    settings. Every model of the job is served by it (the base, or a LoRA adapter of the base)."""
+
+    model_config = MODEL_CONFIG
+
+    kind: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto", description="Inference engine; 'auto' picks vLLM when it is installed."
+    )
+    model: ModelSource = Field(description="Model weights: 'builtin:tiny' or a local path.")
+    gpus: int = Field(
+        default=1, ge=1, description="GPUs of the vLLM engine on the first node (its tensor parallel size)."
+    )
+    gpu_memory_gib: float = Field(
+        default=80.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Memory of one GPU of the partition in GiB, for the launcher's check that the model "
+        "fits.",
+    )
+    vllm: VllmConfig = Field(default=VllmConfig(), description="vLLM engine settings.")

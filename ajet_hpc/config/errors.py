@@ -97,10 +97,14 @@ def _message(err: Mapping[str, Any], loc: tuple[str | int, ...], model: type[Bas
 
 
 def _unknown_key_message(key: str, owner: type[BaseModel] | None) -> str:
+    return unknown_key_message(key, None if owner is None else list(owner.model_fields))
+
+
+def unknown_key_message(key: str, allowed: list[str] | None) -> str:
+    """That ``key`` is unknown, the closest of the ``allowed`` keys, and all of them."""
     message = f"unknown key {key!r}"
-    if owner is None:
+    if allowed is None:
         return message
-    allowed = list(owner.model_fields)
     close = difflib.get_close_matches(key, allowed, n=1)
     if close:
         message += f" (did you mean {close[0]!r}?)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -9,7 +11,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from ajet_hpc.config.clients import ClientGroupConfig
-from ajet_hpc.config.errors import ROOT, ConfigError, ConfigIssue, issues_from_validation_error
+from ajet_hpc.config.errors import (
+    ROOT,
+    ConfigError,
+    ConfigIssue,
+    issues_from_validation_error,
+    unknown_key_message,
+)
+from ajet_hpc.config.old_form import OLD_FORM_KEYS, is_old_form, old_path
 from ajet_hpc.config.overrides import apply_overrides
 from ajet_hpc.config.server import ServerConfig
 from ajet_hpc.config.topology import Topology
@@ -36,7 +45,28 @@ def validate_topology(data: Any, envs_dir: Path | None = None) -> Topology:
     try:
         return Topology.model_validate(data, context=context)
     except ValidationError as err:
-        raise ConfigError(issues_from_validation_error(err, Topology)) from None
+        issues = issues_from_validation_error(err, Topology)
+        raise ConfigError([_as_written(data, issue) for issue in issues]) from None
+
+
+def _as_written(data: Any, issue: ConfigIssue) -> ConfigIssue:
+    """An issue of a server written in the old form at the path it was written with (``engine_gpus``, not
+    ``engine.gpus``): pydantic reports the form that server was rewritten to (``config.old_form``)."""
+    match = re.match(r"servers\[(\d+)\]", issue.path)
+    servers = data.get("servers") if isinstance(data, dict) else None
+    if match is None or not isinstance(servers, list) or int(match[1]) >= len(servers):
+        return issue
+    server = servers[int(match[1])]
+    try:
+        old = isinstance(server, dict) and is_old_form(server)
+    except ValueError:  # both forms mixed: reported as such
+        return issue
+    if not old:
+        return issue
+    key = re.fullmatch(r"servers\[\d+\]\.(\w+)", issue.path)
+    if key is not None and issue.message.startswith("unknown key"):  # the keys of the form it was written in
+        return dataclasses.replace(issue, message=unknown_key_message(key[1], list(OLD_FORM_KEYS)))
+    return dataclasses.replace(issue, path=old_path(issue.path))
 
 
 def check_array_sizes(topology: Topology, limit: int | None) -> None:

@@ -4,6 +4,10 @@ A path is dotted keys; where it meets a list, a segment is an integer index or t
 (names may contain dots: the longest matching name wins). ``[0]`` and ``[main]`` brackets are accepted too,
 so a path from an error message (``clients[0].array``) can be pasted back. Values are YAML (``3`` is an int,
 ``true`` a bool, ``[a, b]`` a list, ``4:00:00`` a string).
+
+Below a server, a path in either form of a server (``config.old_form``) reaches a server written in the
+other: ``servers.policy.trainer.lr`` sets ``models[policy].trainer.lr`` of a server written with ``models:``,
+``servers.policy.engine.gpus`` sets ``engine_gpus`` of one written in the old form, and so on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ajet_hpc.config.errors import ConfigError, format_path
+from ajet_hpc.config.old_form import ENGINE_KEYS, ENGINE_KEYS_OLD, MODEL_KEYS, is_old_form, to_new_form
 from ajet_hpc.config.yaml_io import parse_yaml
 
 _PATH = re.compile(r"(?:[^.\[\]=]+|\[[^\[\]]+\])(?:\.[^.\[\]=]+|\[[^\[\]]+\])*")
@@ -58,6 +63,10 @@ def _set(root: dict[str, Any], segments: list[_Segment], value: Any, override: s
             node = node[key]
         elif isinstance(node, list):
             index, i = _list_index(node, segments, i, loc, override)
+            if loc == ["servers"] and i < len(segments):
+                segments = segments[:i] + _in_form_of(
+                    node[index], segments[i:], value, override, [*loc, index]
+                )
             loc.append(index)
             if i == len(segments):
                 node[index] = value
@@ -68,6 +77,61 @@ def _set(root: dict[str, Any], segments: list[_Segment], value: Any, override: s
             raise ConfigError.at(
                 where, f"override {override!r}: {where} is a {type(node).__name__}, not a mapping or list"
             )
+
+
+def _in_form_of(
+    server: Any, rest: list[_Segment], value: Any, override: str, loc: list[str | int]
+) -> list[_Segment]:
+    """``rest``, the path below a server entry, in the form ``server`` is written in (see the module doc); a
+    whole ``engine`` block or model set on a server of the old form first rewrites it to the new form."""
+    if not isinstance(server, dict):
+        return rest
+    try:
+        old = is_old_form(server)
+    except ValueError:  # both forms mixed: validation names them
+        return rest
+    head, tail = rest[0].text, rest[1:]
+    if old:
+        return _in_old_form(server, rest, value, override, loc)
+    if head in ENGINE_KEYS and not (head == "engine" and (tail or isinstance(value, dict))):
+        return [_Segment("engine", False), _Segment(ENGINE_KEYS[head], False), *tail]
+    if head == "vllm":
+        return [_Segment("engine", False), *rest]
+    if head in MODEL_KEYS or head == "adapters":
+        if "models" not in server and "name" in server:
+            server["models"] = [{"name": server["name"]}]  # the default, written out to be set
+        if head in MODEL_KEYS:
+            return [_Segment("models", False), _Segment("0", False), *rest]
+        if not tail:
+            raise ConfigError.at(
+                format_path([*loc, "adapters"]),
+                f"override {override!r}: this server is written with models:, set servers.<name>.models",
+            )
+        adapters = server.get("models", [])[1:]
+        index, end = _list_index(adapters, rest, 1, [*loc, "adapters"], override)
+        return [_Segment("models", False), _Segment(str(index + 1), False), *rest[end:]]
+    return rest
+
+
+def _in_old_form(
+    server: dict[str, Any], rest: list[_Segment], value: Any, override: str, loc: list[str | int]
+) -> list[_Segment]:
+    head, tail = rest[0].text, rest[1:]
+    if head == "engine" and tail and tail[0].text in ENGINE_KEYS_OLD:
+        return [_Segment(ENGINE_KEYS_OLD[tail[0].text], False), *tail[1:]]
+    if head == "engine" and tail and tail[0].text == "vllm":
+        return tail
+    if head == "models" and tail:
+        index, end = _list_index(to_new_form(server)["models"], rest, 1, [*loc, "models"], override)
+        if index > 0:
+            return [_Segment("adapters", False), _Segment(str(index - 1), False), *rest[end:]]
+        if len(rest) > end and rest[end].text in MODEL_KEYS:
+            return rest[end:]
+    if head in ("engine", "models") and (tail or head == "models" or isinstance(value, dict)):
+        new = to_new_form(server)  # what the old form cannot say: the server is rewritten to the new one
+        server.clear()
+        server.update(new)
+    return rest
 
 
 def _list_index(

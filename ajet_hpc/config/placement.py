@@ -3,10 +3,10 @@
 A server allocation is ``nodes`` nodes of ``gpus_per_node`` GPUs each (0: CPUs only). One process of it, on
 the first node, is the server (HTTP front, engine, coordinator); the trainer's ranks run on every node.
 
-- ``split`` (default): the engine takes the first ``engine_gpus`` GPUs of the first node (tensor parallel
+- ``split`` (default): the engine takes the first ``engine.gpus`` GPUs of the first node (tensor parallel
   over them); the ranks take every other GPU of the allocation, one rank per GPU, numbered node by node.
 - ``colocate``: engine and ranks share the GPUs: one rank per GPU of the allocation, and the engine on the
-  first ``engine_gpus`` GPUs of the first node. vLLM's sleep mode frees the engine's memory while the ranks
+  first ``engine.gpus`` GPUs of the first node. vLLM's sleep mode frees the engine's memory while the ranks
   train (CUDA only: refused on CPUs).
 - CPUs (``gpus_per_node: 0``): the engine on the first node's CPUs, ``trainer.ranks`` ranks per node.
 
@@ -126,7 +126,7 @@ def plan_placement(
         return _cpu_placement(nodes, mode, engine_gpus, cpu_ranks if trains else 0)
     if engine_gpus > gpus_per_node:
         raise PlacementError(
-            "engine_gpus",
+            "engine.gpus",
             f"{engine_gpus} is more than the {gpus_per_node} GPUs of a node (gpus_per_node: "
             f"{gpus_per_node}); the engine's tensor parallelism stays inside one node",
         )
@@ -144,7 +144,7 @@ def plan_placement(
         first += len(gpus)
     if trains and first == 0:
         raise PlacementError(
-            "engine_gpus",
+            "engine.gpus",
             f"{engine_gpus} leaves no GPU for the trainer on {nodes} node of {gpus_per_node} GPUs; "
             "use placement: colocate or nodes: 2",
         )
@@ -165,7 +165,7 @@ def _cpu_placement(nodes: int, mode: PlacementMode, engine_gpus: int, ranks: int
         )
     if engine_gpus != 1:
         raise PlacementError(
-            "engine_gpus", f"{engine_gpus} engine GPUs on a CPU server (gpus_per_node is 0); leave it at 1"
+            "engine.gpus", f"{engine_gpus} engine GPUs on a CPU server (gpus_per_node is 0); leave it at 1"
         )
     placed = tuple(NodePlacement(n, (), (), n * ranks, ranks) for n in range(nodes))
     return Placement("cpu", 0, placed, 1)

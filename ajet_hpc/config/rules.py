@@ -83,23 +83,21 @@ def consistency_issues(topology: Run, envs_dir: Path | None = None) -> list[Conf
 
 def _lora_issues(topology: Run) -> list[ConfigIssue]:
     """An adapter rank above the engine's ``max_lora_rank``; fewer LoRA slots than adapters; what a server
-    with adapters cannot do (full fine-tuning of the shared base, the transformers engine, colocate)."""
+    with several models cannot do (full fine-tuning of the shared base, the transformers engine, colocate)."""
     issues = []
     for i, server in enumerate(topology.servers):
         limit = server.lora_rank_limit()
-        for j, model in enumerate(server.models()):
+        for j, model in enumerate(server.models):
             lora = model.trainer.lora if model.trainer is not None else None
-            where = f"servers[{i}]" if j == 0 else f"servers[{i}].adapters[{j - 1}]"
             if lora is not None and limit is not None and lora.rank > limit:
                 issues.append(
                     ConfigIssue(
-                        f"{where}.trainer.lora.rank",
-                        f"rank {lora.rank} is above servers[{i}].vllm.max_lora_rank={limit}: vLLM would "
-                        "refuse the adapter; raise max_lora_rank or lower the rank",
+                        server.path(i, f"models[{j}].trainer.lora.rank"),
+                        f"rank {lora.rank} is above {server.path(i, 'engine.vllm.max_lora_rank')}={limit}: "
+                        "vLLM would refuse the adapter; raise max_lora_rank or lower the rank",
                     )
                 )
-        if server.adapters:
-            issues += _adapter_issues(i, server)
+        issues += _job_issues(i, server)
     return issues
 
 
@@ -109,10 +107,9 @@ def _algorithm_issues(topology: Run) -> list[ConfigIssue]:
     DAPO without the dynamic sampling it is defined with (docs/algorithms.md)."""
     issues = []
     for i, server in enumerate(topology.servers):
-        for j, model in enumerate(server.models()):
+        for j, model in enumerate(server.models):
             if model.trainer is not None:
-                where = f"servers[{i}]" if j == 0 else f"servers[{i}].adapters[{j - 1}]"
-                issues += _trainer_algorithm_issues(f"{where}.trainer", model.trainer)
+                issues += _trainer_algorithm_issues(server.path(i, f"models[{j}].trainer"), model.trainer)
     return issues
 
 
@@ -133,54 +130,80 @@ def _trainer_algorithm_issues(where: str, trainer: TrainerConfig) -> list[Config
     return issues
 
 
-def _adapter_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
+def _job_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
+    """The first model named as the job; a frozen adapter folder only beside the base; and, where the job
+    serves several models, what they cannot share."""
     issues = []
-    if server.trainer is not None and server.trainer.lora is None:
+    if server.models[0].name != server.name:
         issues.append(
             ConfigIssue(
-                f"servers[{i}].trainer",
-                f"full fine-tuning would change the base model that the adapters of server {server.name!r} "
-                "share: give the server trainer.lora, or trainer: null to serve the bare base",
+                server.path(i, "models[0].name"),
+                f"the first model of server job {server.name!r} carries the job's name: name it "
+                f"{server.name!r}, or rename the job (a plain server is a job with one model of its name)",
             )
         )
-    for j, adapter in enumerate(server.adapters):
-        if adapter.trainer is not None and adapter.adapter is not None:
+    if len(server.models) == 1:
+        if server.models[0].adapter is not None:
             issues.append(
                 ConfigIssue(
-                    f"servers[{i}].adapters[{j}].adapter",
-                    f"adapter {adapter.name!r} trains from version 0 (B = 0, the base); a given folder is "
+                    server.path(i, "models[0].adapter"),
+                    "an adapter folder is served beside its base: add the model that serves it as a second "
+                    "model of this job (trainer: null, adapter: FOLDER)",
+                )
+            )
+        return issues
+    return issues + _shared_base_issues(i, server)
+
+
+def _shared_base_issues(i: int, server: ServerConfig) -> list[ConfigIssue]:
+    issues = []
+    for j, model in enumerate(server.models):
+        if model.trainer is not None and j == 0 and model.trainer.lora is None:
+            issues.append(
+                ConfigIssue(
+                    server.path(i, "models[0].trainer"),
+                    f"full fine-tuning would change the base model that the models of server {server.name!r} "
+                    "share: give it trainer.lora, or trainer: null to serve the bare base",
+                )
+            )
+        if model.trainer is not None and model.adapter is not None:
+            issues.append(
+                ConfigIssue(
+                    server.path(i, f"models[{j}].adapter"),
+                    f"adapter {model.name!r} trains from version 0 (B = 0, the base); a given folder is "
                     "served frozen: set trainer: null to serve it, or drop `adapter` to train",
                 )
             )
-        if adapter.trainer is not None and adapter.trainer.lora is None:
+        if model.trainer is not None and j > 0 and model.trainer.lora is None:
             issues.append(
                 ConfigIssue(
-                    f"servers[{i}].adapters[{j}].trainer.lora",
-                    f"adapter {adapter.name!r} trains a LoRA adapter of the shared base: set trainer.lora "
+                    server.path(i, f"models[{j}].trainer.lora"),
+                    f"adapter {model.name!r} trains a LoRA adapter of the shared base: set trainer.lora "
                     "(or trainer: null to serve the bare base under this name)",
                 )
             )
-    if server.engine == "transformers":
+    if server.engine.kind == "transformers":
         issues.append(
             ConfigIssue(
-                f"servers[{i}].engine",
-                "a server with adapters serves them all from one engine with multi-LoRA: use engine vllm",
+                server.path(i, "engine.kind"),
+                "a server with several models serves them all from one engine with multi-LoRA: use engine "
+                "vllm",
             )
         )
     if server.placement == "colocate":
         issues.append(
             ConfigIssue(
-                f"servers[{i}].placement",
-                "a server with adapters runs its trainers beside the engine: use placement split "
+                server.path(i, "placement"),
+                "a server with several models runs their trainers beside the engine: use placement split "
                 "(colocate, where the engine sleeps for one trainer's step, is not supported with several)",
             )
         )
     count = len(server.lora_models()) + len(server.frozen_adapters())
-    if server.vllm.max_loras is not None and server.vllm.max_loras < count:
+    if server.engine.vllm.max_loras is not None and server.engine.vllm.max_loras < count:
         issues.append(
             ConfigIssue(
-                f"servers[{i}].vllm.max_loras",
-                f"max_loras {server.vllm.max_loras} is below the {count} LoRA models of server "
+                server.path(i, "engine.vllm.max_loras"),
+                f"max_loras {server.engine.vllm.max_loras} is below the {count} LoRA models of server "
                 f"{server.name!r}: every adapter needs its slot; raise it or leave it null",
             )
         )
@@ -230,11 +253,11 @@ def _placement_issues(topology: Run) -> list[ConfigIssue]:
         try:
             server.placement_plan()
         except PlacementError as error:
-            issues.append(ConfigIssue(f"servers[{i}].{error.field}", error.message))
-        if server.placement == "colocate" and server.engine == "transformers":
+            issues.append(ConfigIssue(server.path(i, error.field), error.message))
+        if server.placement == "colocate" and server.engine.kind == "transformers":
             issues.append(
                 ConfigIssue(
-                    f"servers[{i}].engine",
+                    server.path(i, "engine.kind"),
                     "placement colocate needs the vllm engine (its sleep mode frees the GPUs for the "
                     "trainer); use engine: vllm, or placement: split",
                 )
@@ -258,12 +281,11 @@ def _missing_envs(topology: Run, envs_dir: Path) -> list[ConfigIssue]:
 
 
 def _duplicates_of_models(topology: Run) -> list[ConfigIssue]:
-    """Model names (servers and their adapters) must be unique over the run."""
+    """Model names (every model of every server job) must be unique over the run."""
     first: dict[str, str] = {}
     issues = []
     for i, server in enumerate(topology.servers):
-        named = [(f"servers[{i}]", server.name)]
-        named += [(f"servers[{i}].adapters[{j}]", a.name) for j, a in enumerate(server.adapters)]
+        named = [(server.path(i, f"models[{j}]"), m.name) for j, m in enumerate(server.models)]
         for path, name in named:
             if name in first:
                 issues.append(ConfigIssue(f"{path}.name", f"duplicate name {name!r} (also {first[name]})"))

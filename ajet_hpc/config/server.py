@@ -1,57 +1,39 @@
-"""A server job (``servers[]``): its resources, engine, serving limits, store and trainer, and the models it
-serves (itself, then its ``adapters``), with what is derived from them: where the engine and the ranks run
-(``placement_plan``) and the LoRA slots and rank its vLLM engine is built with."""
+"""A server job (``servers[]``): its resources, serving limits, its one ``engine`` and the ``models`` it
+serves (the first under the job's name), with what is derived from them: where the engine and the ranks run
+(``placement_plan``) and the LoRA slots and rank its vLLM engine is built with.
+
+Today's form of a server and the form before it (flat ``model``, ``engine``, ``trainer``, ``adapters``...)
+both load: ``config.old_form`` rewrites the old one on load, and errors in it name the paths it was written
+with (:meth:`ServerConfig.path`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
-from ajet_hpc.config.engine import ServingConfig, VllmConfig
+from ajet_hpc.config import old_form
+from ajet_hpc.config.engine import EngineConfig, ServingConfig, VllmConfig
 from ajet_hpc.config.fields import MODEL_CONFIG, ModelSource, Name
 from ajet_hpc.config.lora import VLLM_LORA_RANKS, LoraConfig
+from ajet_hpc.config.model import ModelConfig
 from ajet_hpc.config.placement import Placement, plan_placement
 from ajet_hpc.config.resources import JobResources, Slot
-from ajet_hpc.config.store import StoreConfig
 from ajet_hpc.config.trainer import TrainerConfig
 
 
-class AdapterConfig(BaseModel):
-    """One more model on a server's engine: a LoRA adapter of the server's base model with its own trainer,
-    store, checkpoints and metrics, or (``trainer: null``) the bare base under this name. Clients name it
-    as they name a server. docs/lora.md, "Several models on one server"."""
-
-    model_config = MODEL_CONFIG
-
-    name: Name = Field(
-        description="The model's name: clients refer to it, and it names its files in the run."
-    )
-    trainer: TrainerConfig | None = Field(
-        default=TrainerConfig(lora=LoraConfig()),
-        description="The adapter's trainer, with trainer.lora (default: a rank-16 adapter); null serves the "
-        "model without training (a judge or an opponent that does not learn): the bare base, or `adapter`.",
-    )
-    adapter: str | None = Field(
-        default=None,
-        min_length=1,
-        description="With trainer: null, a peft adapter folder of the base (adapter_config.json and "
-        "adapter_model.safetensors, e.g. from `ajet-hpc export --adapter`) served frozen as this model; a "
-        "relative path is taken from where the server runs, like `model`.",
-    )
-    store: StoreConfig = Field(
-        default=StoreConfig(), description="Group commit of this model's store (RUN/data/<name>.h5)."
-    )
-
-
 class ServerConfig(JobResources):
-    """One trainable model: an inference engine and its trainer in one GPU allocation."""
+    """A server job: its resources, one inference engine, and the models that engine serves (a plain server
+    is a job with one model, named as the job).
+
+    The same class is the view of one model of a job (``hosted``, ``Topology.server``): the job's fields with
+    that model alone in ``models``; ``trainer`` is then that model's."""
 
     model_config = MODEL_CONFIG
     RESOURCES: ClassVar[dict[str, Slot]] = {
-        "partition": Slot("engine", "gpu", "Slurm partition of the server job."),
-        "cpus": Slot("vllm", 4, "CPUs per task (--cpus-per-task)."),
+        "partition": Slot("name", "gpu", "Slurm partition of the server job."),
+        "cpus": Slot("partition", 4, "CPUs per task (--cpus-per-task)."),
         "mem": Slot(
             "cpus", "16G", "Memory per node: an integer with optional K/M/G/T suffix (MB without one)."
         ),
@@ -61,11 +43,7 @@ class ServerConfig(JobResources):
     }
 
     name: Name = Field(
-        description="Server name; clients refer to it, and it names the model's files in the run."
-    )
-    model: ModelSource = Field(description="Model weights: 'builtin:tiny' or a local path.")
-    engine: Literal["auto", "vllm", "transformers"] = Field(
-        default="auto", description="Inference engine; 'auto' picks vLLM when it is installed."
+        description="Server job name; it is also the name of the job's first model (clients refer to it)."
     )
     nodes: int = Field(default=1, ge=1, description="Nodes of the server job.")
     gpus_per_node: int = Field(
@@ -76,72 +54,103 @@ class ServerConfig(JobResources):
     )
     placement: Literal["split", "colocate"] = Field(
         default="split",
-        description="'split': the engine takes the first engine_gpus GPUs of the first node, the trainer one "
+        description="'split': the engine takes the first engine.gpus GPUs of the first node, the trainer one "
         "rank on every other GPU; 'colocate': both share every GPU, the engine sleeping (vLLM sleep mode) "
         "while the ranks train (GPUs only). docs/placement.md.",
     )
-    engine_gpus: int = Field(
-        default=1, ge=1, description="GPUs of the vLLM engine on the first node (its tensor parallel size)."
-    )
-    gpu_memory_gib: float = Field(
-        default=80.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="Memory of one GPU of the partition in GiB, for the launcher's check that the model "
-        "fits.",
-    )
-    vllm: VllmConfig = Field(default=VllmConfig(), description="vLLM engine settings.")
     port: int = Field(default=0, ge=0, le=65535, description="HTTP port of the server; 0 picks a free port.")
     serving: ServingConfig = Field(default=ServingConfig(), description="Serving limits, episode settings.")
-    store: StoreConfig = Field(
-        default=StoreConfig(), description="Group commit of the server store (docs/storage.md)."
-    )
-    trainer: TrainerConfig | None = Field(
-        default=TrainerConfig(),
-        description="Trainer settings of this model; null serves it without training.",
-    )
-    adapters: list[AdapterConfig] = Field(
-        default_factory=list,
-        description="More models served by this server's one engine, each a LoRA adapter of its base model "
-        "(or the bare base) with its own trainer; the server itself stays a model too (give it trainer.lora "
-        "or trainer: null). docs/lora.md.",
+    engine: EngineConfig = Field(description="The job's inference engine and the base model it runs.")
+    models: list[ModelConfig] = Field(
+        min_length=1,
+        description="The models the engine serves, each with its trainer (or null: frozen) and store; the "
+        "first carries the job's name (default: that one model, trained). Several models are LoRA adapters "
+        "of the base (trainer.lora) or the bare base; docs/lora.md.",
     )
 
-    def models(self) -> list[ServerConfig]:
-        """The models this server job serves: itself, then each adapter as a model of its own (the server's
-        fields with the adapter's name, trainer and store)."""
-        hosted = [
-            self.model_copy(update={"name": a.name, "trainer": a.trainer, "store": a.store, "adapters": []})
-            for a in self.adapters
-        ]
-        return [self, *hosted]
+    _old_form: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _read_either_form(cls, data: Any, handler: ModelWrapValidatorHandler[ServerConfig]) -> ServerConfig:
+        """The old form rewritten to this one (``config.old_form``); a missing ``models`` is the one model
+        named as the job."""
+        old = isinstance(data, dict) and old_form.is_old_form(data)
+        if old:
+            data = old_form.to_new_form(data)
+        elif isinstance(data, dict) and "models" not in data and "name" in data:  # {name, engine: {...}}
+            data = {**data, "models": [{"name": data["name"]}]}
+        server = handler(data)
+        server._old_form = old
+        return server
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields: the form a server was written in is not part of its config."""
+        if not isinstance(other, ServerConfig):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = JobResources.__hash__
+
+    # --- the fields of the form before the engine block, read by name -----------------------------------
+    @property
+    def model(self) -> ModelSource:
+        """The base model's weights (``engine.model``)."""
+        return self.engine.model
+
+    @property
+    def vllm(self) -> VllmConfig:
+        """The vLLM engine's settings (``engine.vllm``)."""
+        return self.engine.vllm
+
+    @property
+    def trainer(self) -> TrainerConfig | None:
+        """The trainer of the first model: the model named as the job (in a view of one model, its own)."""
+        return self.models[0].trainer
+
+    # --- what is derived ------------------------------------------------------------------------------
+    def path(self, index: int, field: str = "") -> str:
+        """The path of ``field`` (written in this form: ``engine.gpus``, ``models[1].trainer``) of the server
+        at ``servers[index]``, as the user wrote the server (the old form's ``engine_gpus``,
+        ``adapters[0].trainer`` for a server written in it)."""
+        path = f"servers[{index}]" + (f".{field}" if field else "")
+        return old_form.old_path(path) if self._old_form else path
+
+    def written(self, field: str) -> str:
+        """``field`` (a path below the server, in this form) as the user wrote the server: ``engine.gpus``,
+        or ``engine_gpus`` in the old form."""
+        return self.path(0, field).removeprefix("servers[0]").removeprefix(".")
+
+    def hosted(self) -> list[ServerConfig]:
+        """The models this server job serves, each as a server: the job itself for its first model, then a
+        view of each other (the job's fields with that model alone in ``models``, under its name)."""
+        views = [self.model_copy(update={"name": m.name, "models": [m]}) for m in self.models[1:]]
+        return [self, *views]
 
     def lora_models(self) -> list[tuple[str, LoraConfig]]:
         """(name, adapter) of every model of this server that trains a LoRA adapter."""
         return [
             (m.name, m.trainer.lora)
-            for m in self.models()
+            for m in self.models
             if m.trainer is not None and m.trainer.lora is not None
         ]
 
     def frozen_adapters(self) -> list[tuple[str, str]]:
-        """(name, folder) of every adapter of this server served frozen from a folder (``adapter``)."""
-        return [(a.name, a.adapter) for a in self.adapters if a.adapter is not None and a.trainer is None]
+        """(name, folder) of every model of this server served frozen from an adapter folder (``adapter``)."""
+        return [(m.name, m.adapter) for m in self.models if m.adapter is not None and m.trainer is None]
 
     def placement_plan(self) -> Placement:
-        """Where the server's engine and trainer ranks run (``PlacementError`` when impossible). For a server
-        with adapters, that of its first trained model: every model's ranks use the same trainer devices
-        (each model's own: ``placement_plan`` of ``models()``'s entry)."""
-        server = self
-        if server.adapters and server.trainer is None:
-            server = next((m for m in server.models() if m.trainer is not None), server)
+        """Where the server's engine and trainer ranks run (``PlacementError`` when impossible): those of its
+        first trained model; every model's ranks use the same trainer devices (each model's own:
+        ``placement_plan`` of its view in ``hosted()``)."""
+        trainer = next((m.trainer for m in self.models if m.trainer is not None), None)
         return plan_placement(
-            nodes=server.nodes,
-            gpus_per_node=server.gpus_per_node,
-            mode=server.placement,
-            engine_gpus=server.engine_gpus,
-            cpu_ranks=server.trainer.ranks if server.trainer is not None else 1,
-            trains=server.trainer is not None,
+            nodes=self.nodes,
+            gpus_per_node=self.gpus_per_node,
+            mode=self.placement,
+            engine_gpus=self.engine.gpus,
+            cpu_ranks=trainer.ranks if trainer is not None else 1,
+            trains=trainer is not None,
         )
 
     def lora_rank_limit(self, frozen_ranks: Sequence[int] = ()) -> int | None:
@@ -151,11 +160,11 @@ class ServerConfig(JobResources):
         ranks = [lora.rank for _, lora in self.lora_models()] + list(frozen_ranks)
         if not ranks:
             return None
-        if self.vllm.max_lora_rank is not None:
-            return self.vllm.max_lora_rank
+        if self.engine.vllm.max_lora_rank is not None:
+            return self.engine.vllm.max_lora_rank
         return min((r for r in VLLM_LORA_RANKS if r >= max(ranks)), default=VLLM_LORA_RANKS[-1])
 
     def lora_slots(self) -> int:
         """The ``max_loras`` the server's vLLM engine is built with: the configured one, else one slot per
         LoRA model of the server (trained, or frozen from a folder)."""
-        return self.vllm.max_loras or max(1, len(self.lora_models()) + len(self.frozen_adapters()))
+        return self.engine.vllm.max_loras or max(1, len(self.lora_models()) + len(self.frozen_adapters()))

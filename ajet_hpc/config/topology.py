@@ -2,7 +2,7 @@
 
 Every model is frozen, rejects unknown keys, and validates strictly (an int is not ``"3"`` nor ``true``).
 Each component later receives only its own block: the launcher ``cluster``, a server job its ``ServerConfig``,
-the trainer ``server.trainer``, a client array its ``ClientGroupConfig``. The components' models are in their
+the trainer its model's ``trainer``, a client array its ``ClientGroupConfig``. The components' models are in their
 own modules (``config.run``, ``config.server``, ``config.clients``, ...); the rules that span them in
 ``config.rules``.
 
@@ -36,7 +36,9 @@ class Topology(BaseModel):
     cluster: ClusterConfig = Field(
         default=ClusterConfig(), description="Submission settings shared by all jobs."
     )
-    servers: list[ServerConfig] = Field(min_length=1, description="Trainable models, one server job each.")
+    servers: list[ServerConfig] = Field(
+        min_length=1, description="Server jobs, each an engine and the models it serves (clients name them)."
+    )
     clients: list[ClientGroupConfig] = Field(
         default_factory=list, description="Agent groups, one job array each."
     )
@@ -51,21 +53,23 @@ class Topology(BaseModel):
 
     @property
     def models(self) -> list[ServerConfig]:
-        """Every model of the run: each server, and after it the adapters it serves (`ServerConfig.models`).
-        Clients, stores, rendezvous files, checkpoints and metrics are per model; jobs per server."""
-        return [model for server in self.servers for model in server.models()]
+        """Every model of the run, each as a server (`ServerConfig.hosted`): each server job, and after it the
+        other models it serves. Clients, stores, rendezvous files, checkpoints and metrics are per model; jobs
+        per server."""
+        return [model for server in self.servers for model in server.hosted()]
 
     def server(self, name: str) -> ServerConfig:
-        """The model called ``name`` (a server, or an adapter on one); ``KeyError`` naming them otherwise."""
+        """The model called ``name`` (a server job's first model, or another model of a job) as a server;
+        ``KeyError`` naming them otherwise."""
         for model in self.models:
             if model.name == name:
                 return model
         raise KeyError(f"no server named {name!r}; servers are: {', '.join(m.name for m in self.models)}")
 
     def host_of(self, name: str) -> ServerConfig:
-        """The server job that serves the model ``name`` (the model itself unless it is an adapter)."""
+        """The server job that serves the model ``name``."""
         for server in self.servers:
-            if any(model.name == name for model in server.models()):
+            if any(model.name == name for model in server.models):
                 return server
         raise KeyError(f"no server serves a model named {name!r}")
 

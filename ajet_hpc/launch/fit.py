@@ -83,7 +83,7 @@ def server_fit_issues(
     if server.gpus_per_node == 0:
         return []
     placement = server.placement_plan()
-    vllm, gpu = server.vllm, server.gpu_memory_gib * GIB
+    vllm, gpu = server.engine.vllm, server.engine.gpu_memory_gib * GIB
     dtype = "bfloat16" if vllm.dtype == "auto" else vllm.dtype
     weights = size.parameters * _DTYPE_BYTES[dtype]
     per_engine_gpu = weights / placement.tensor_parallel
@@ -93,18 +93,18 @@ def server_fit_issues(
     if per_engine_gpu > engine_budget:
         issues.append(
             ConfigIssue(
-                f"servers[{index}].engine_gpus",
+                server.path(index, "engine.gpus"),
                 f"{what}: its {dtype} weights need {per_engine_gpu / GIB:.1f} GiB per engine GPU over "
                 f"{placement.tensor_parallel} GPU(s), more than gpu_memory_utilization "
-                f"{vllm.gpu_memory_utilization} x gpu_memory_gib {server.gpu_memory_gib:g} = "
-                f"{engine_budget / GIB:.1f} GiB; raise engine_gpus (tensor parallel) or "
+                f"{vllm.gpu_memory_utilization} x gpu_memory_gib {server.engine.gpu_memory_gib:g} = "
+                f"{engine_budget / GIB:.1f} GiB; raise {server.written('engine.gpus')} (tensor parallel) or "
                 "vllm.gpu_memory_utilization",
             )
         )
-    trainers = [m for m in server.models() if m.trainer is not None]
+    trainers = [m for m in server.models if m.trainer is not None]
     if not trainers or placement.world_size == 0:
         return issues
-    trainer = server.trainer or trainers[0].trainer
+    trainer = trainers[0].trainer
     assert trainer is not None
     need = sum(
         trainer_bytes_per_rank(
@@ -125,10 +125,10 @@ def server_fit_issues(
         beside = f"beside the engine's {vllm.gpu_memory_utilization} share " if colocated else ""
         issues.append(
             ConfigIssue(
-                f"servers[{index}].trainer.zero_stage",
+                server.path(index, "models[0].trainer.zero_stage"),  # the job's first model
                 f"{what}: ZeRO-{trainer.zero_stage} on {placement.world_size} rank(s) needs about "
                 f"{need / GIB:.1f} GiB per GPU for weights, gradients and Adam states, more than the "
-                f"{room / GIB:.1f} GiB {beside}of a {server.gpu_memory_gib:g} GiB GPU; use zero_stage 3, "
+                f"{room / GIB:.1f} GiB {beside}of a {server.engine.gpu_memory_gib:g} GiB GPU; use zero_stage 3, "
                 "more GPUs or nodes" + (", or a lower vllm.gpu_memory_utilization" if colocated else ""),
             )
         )

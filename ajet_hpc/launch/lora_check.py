@@ -32,15 +32,14 @@ def lora_issues(topology: Topology) -> list[ConfigIssue]:
             model_dir = _model_dir(server, Path(scratch))
             if model_dir is None:
                 continue  # the model field's own check reports it
-            for j, model in enumerate(server.models()):
+            for j, model in enumerate(server.models):
                 if model.trainer is not None and model.trainer.lora is not None:
-                    where = f"servers[{index}]" if j == 0 else f"servers[{index}].adapters[{j - 1}]"
-                    issues += _server_issues(where, model, model_dir)
+                    issues += _model_issues(index, server, j, model_dir)
             issues += _frozen_issues(index, server, model_dir)
-            if server.engine != "transformers" and resolve_kind(server.engine) == "vllm":
+            if server.engine.kind != "transformers" and resolve_kind(server.engine.kind) == "vllm":
                 refusal = _vllm_refusal(model_dir)
                 if refusal is not None:
-                    issues.append(ConfigIssue(f"servers[{index}].engine", refusal))
+                    issues.append(ConfigIssue(server.path(index, "engine.kind"), refusal))
     return issues
 
 
@@ -50,11 +49,11 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
     issues = []
     ranks = []
     have: set[str] | None = None
-    for j, adapter in enumerate(server.adapters):
-        if adapter.adapter is None or adapter.trainer is not None:
+    for j, model in enumerate(server.models):
+        if model.adapter is None or model.trainer is not None:
             continue
-        where = f"servers[{index}].adapters[{j}].adapter"
-        folder = Path(adapter.adapter).expanduser()
+        where = server.path(index, f"models[{j}].adapter")
+        folder = Path(model.adapter).expanduser()
         try:
             config = json.loads((folder / ADAPTER_CONFIG).read_text())
             rank = int(config["r"])
@@ -82,7 +81,8 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
             issues.append(
                 ConfigIssue(
                     where,
-                    f"{folder} has rank {rank}, above servers[{index}].vllm.max_lora_rank={limit}: raise it",
+                    f"{folder} has rank {rank}, above {server.path(index, 'engine.vllm.max_lora_rank')}={limit}: "
+                    "raise it",
                 )
             )
     return issues
@@ -95,19 +95,25 @@ def _model_dir(server: ServerConfig, scratch: Path) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def _server_issues(where: str, server: ServerConfig, model_dir: Path) -> list[ConfigIssue]:
-    assert server.trainer is not None and server.trainer.lora is not None
-    lora = server.trainer.lora
+def _model_issues(index: int, server: ServerConfig, j: int, model_dir: Path) -> list[ConfigIssue]:
+    """The target modules of ``server.models[j]``'s ``trainer.lora`` that the model does not have."""
+    trainer = server.models[j].trainer
+    assert trainer is not None and trainer.lora is not None
+    lora = trainer.lora
     try:
         have = linear_module_names(model_dir)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
-        return [ConfigIssue(f"{where}.model", f"cannot read {model_dir / 'config.json'}: {error}")]
+        return [
+            ConfigIssue(
+                server.path(index, "engine.model"), f"cannot read {model_dir / 'config.json'}: {error}"
+            )
+        ]
     issues = []
     missing = [name for name in lora.target_modules if name not in have]
     if missing:
         issues.append(
             ConfigIssue(
-                f"{where}.trainer.lora.target_modules",
+                server.path(index, f"models[{j}].trainer.lora.target_modules"),
                 f"the model has no linear layer named {', '.join(map(repr, missing))}; its linear layers "
                 f"are: {', '.join(sorted(have))}",
             )

@@ -121,7 +121,7 @@ def build_plan(
     if topology.cluster.hetjob if hetjob is None else hetjob:
         for server in servers:
             # a group that uses only this server's models (itself, or adapters it serves) rides along
-            served = {model.name for model in topology.host_of(server.target).models()}
+            served = {model.name for model in topology.host_of(server.target).models}
             riders = [clients.pop(g.name) for g in groups if set(g.servers) <= served]
             if riders:
                 components = (server, *(_as_component(rider) for rider in riders))

@@ -112,7 +112,13 @@ def evaluate(run_dir: Path, step: int | None = None, group: str | None = None) -
         export(run.root, partial, model=model, step=at)
         partial.rename(folder)
     scratch.prepare(topology, force=True)  # its own secret, stores and logs; the run's topology
-    served = topology.server(model).model_copy(update={"model": str(folder), "trainer": None, "adapters": []})
+    view = topology.server(model)  # the model alone on its job's engine, served frozen from the export
+    served = view.model_copy(
+        update={
+            "engine": view.engine.model_copy(update={"model": str(folder)}),
+            "models": [view.models[0].model_copy(update={"trainer": None})],
+        }
+    )
     eval_group = topology.client(eval_group_name(parent.name)).model_copy(
         update={"array": 1, "server_wait_s": SERVER_WAIT_S}
     )

@@ -58,13 +58,13 @@ def assemble(
 ) -> tuple[Engine, list[ModelContext]]:
     """The server job's engine, built (not started), and one context per model it hosts, each with its
     store open and its trainer attached: a plain server is one model at the job's URL; a server with
-    adapters (``servers[].adapters``) has one per model, at ``<url>/m/<name>``, each seeing the one vLLM
+    several models (``servers[].models``) has one per model, at ``<url>/m/<name>``, each seeing the one vLLM
     engine through a `SharedModel`.
 
     Shows the engine only its GPUs (this process's ``CUDA_VISIBLE_DEVICES``) and keeps the job step's
     environment as it was for the trainer's ranks."""
     parts, kind = _job_parts(run, topology, config, job)
-    models = config.models()
+    models = config.hosted()
     engine, views = _engine(parts, kind, config)
     context = JobContext(engine=engine, secret=run.read_secret(), job_id=job.environment.job_id)
     contexts = []
@@ -83,7 +83,7 @@ def _engine(
     one model sees the engine itself). A plain server's engine takes its model's weight-sync backend and,
     with ``trainer.lora``, serves that adapter; a server with adapters serves every adapter (each LoRA
     model's version-0 adapter written here, each frozen one from its folder) and the bare base."""
-    if not config.adapters:
+    if len(config.models) == 1:
         sync = decide(config.trainer, parts.placement, kind)
         settings = engine_settings(config, parts.placement, kind, sync)
         settings.update(lora_settings(config, parts.model_path, kind))
@@ -104,7 +104,7 @@ def _engine(
     engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
     views: dict[str, Engine] = {}
-    for model in config.models():
+    for model in config.hosted():
         what = f"the frozen adapter {frozen[model.name]}" if model.name in frozen else "the bare base"
         what = "a LoRA adapter" if model.name in trained else what
         log.info(
@@ -124,7 +124,7 @@ def _job_parts(
         log.info("placement: %s", line)
     step_env = bind_engine_gpus(placement, os.environ)
     model_path = resolve_model(server.model, run.models_dir)
-    return _Parts(run, topology, job, placement, model_path, step_env), resolve_kind(server.engine)
+    return _Parts(run, topology, job, placement, model_path, step_env), resolve_kind(server.engine.kind)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def model_context(
     """One model's context: its store open, its ended episodes restored, its trainer attached."""
     run, topology = parts.run, parts.topology
     # group commit: episodes ending together share one fsync (docs/storage.md)
-    recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.store)
+    recorder = EpisodeRecorder.from_config(run.server_store(config.name), config.models[0].store)
     ctx = ModelContext(
         name=config.name, job=job, settings=config.serving, recorder=recorder, view=view, public_url=url
     )
@@ -228,7 +228,7 @@ def engine_settings(
     """The engine's settings from the server's fields: the ``vllm`` block unless the engine is
     transformers (then its threads: ``cpus``); the vLLM engine is built with the transfer backend of the
     sync plan."""
-    vllm = config.vllm
+    vllm = config.engine.vllm
     common: dict[str, Any] = {"max_model_len": config.serving.max_model_len, "dtype": vllm.dtype}
     if kind == "transformers":  # torch's threads: the server's CPUs, also where no Slurm grants them
         return {**common, "cpu_threads": min(config.cpus, job_cpus())}

@@ -84,7 +84,7 @@ def test_quickstart_loads() -> None:
     assert topo.run.name == "quickstart"
     assert topo.cluster.backend == "local"
     policy = topo.server("policy")
-    assert (policy.model, policy.engine, policy.partition) == ("builtin:tiny", "auto", "gpu")
+    assert (policy.model, policy.engine.kind, policy.partition) == ("builtin:tiny", "auto", "gpu")
     assert (policy.gpus_per_node, policy.cpus, policy.mem, policy.time, policy.time_min) == (
         0,
         2,
@@ -117,14 +117,18 @@ def test_defaults() -> None:
     assert (topo.cluster.setup, topo.cluster.sbatch, topo.cluster.hetjob) == ([], {}, False)
     assert topo.cluster.signal_delay_s == 120
     server = topo.servers[0]
-    assert (server.engine, server.partition, server.nodes, server.gpus_per_node, server.cpus) == (
+    assert (server.engine.kind, server.partition, server.nodes, server.gpus_per_node, server.cpus) == (
         "auto",
         "gpu",
         1,
         2,
         4,
     )
-    assert (server.placement, server.engine_gpus, server.vllm.gpu_memory_utilization) == ("split", 1, 0.85)
+    assert (server.placement, server.engine.gpus, server.engine.vllm.gpu_memory_utilization) == (
+        "split",
+        1,
+        0.85,
+    )
     assert (server.mem, server.time, server.time_min, server.port) == ("16G", "4:00:00", 240, 0)
     trainer = server.trainer
     assert trainer is not None

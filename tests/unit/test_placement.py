@@ -38,7 +38,7 @@ def test_every_gpu_runs_one_rank_and_the_engine_sits_on_node_0(
     if mode == "split" and nodes == 1 and gpus == 1:
         with pytest.raises(PlacementError) as refused:
             place(nodes, gpus, mode)
-        assert refused.value.field == "engine_gpus"
+        assert refused.value.field == "engine.gpus"
         assert "leaves no GPU for the trainer on 1 node of 1 GPUs" in refused.value.message
         return
     placement = place(nodes, gpus, mode)
@@ -79,12 +79,12 @@ def test_colocate_shares_the_engine_gpus() -> None:
     [
         (
             {"nodes": 1, "gpus": 8, "engine": 8},
-            "engine_gpus",
+            "engine.gpus",
             "8 leaves no GPU for the trainer on 1 node of 8",
         ),
-        ({"nodes": 2, "gpus": 4, "engine": 8}, "engine_gpus", "more than the 4 GPUs of a node"),
+        ({"nodes": 2, "gpus": 4, "engine": 8}, "engine.gpus", "more than the 4 GPUs of a node"),
         ({"nodes": 1, "gpus": 0, "mode": "colocate"}, "placement", "colocate needs GPUs"),
-        ({"nodes": 1, "gpus": 0, "engine": 2}, "engine_gpus", "on a CPU server"),
+        ({"nodes": 1, "gpus": 0, "engine": 2}, "engine.gpus", "on a CPU server"),
         ({"nodes": 2, "gpus": 4, "trains": False}, "nodes", "without a trainer"),
     ],
 )
