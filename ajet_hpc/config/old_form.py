@@ -56,7 +56,8 @@ def is_old_form(server: dict[str, Any]) -> bool:
 
 def to_new_form(server: dict[str, Any]) -> dict[str, Any]:
     """The new form of an old server entry: its engine keys in ``engine``, the model under the server's name
-    (its ``trainer`` and ``store``) first in ``models``, then each adapter (its default trainer written out)."""
+    (its ``trainer`` and ``store``) first in ``models``, then each adapter (its default trainer written
+    out)."""
     new = {key: value for key, value in server.items() if key not in OLD_KEYS}
     engine = {new_key: server[old] for old, new_key in ENGINE_KEYS.items() if old in server}
     if "vllm" in server:

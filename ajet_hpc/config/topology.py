@@ -1,10 +1,10 @@
 """The topology: one typed description of a run's servers (trainable models) and clients (agent job arrays).
 
 Every model is frozen, rejects unknown keys, and validates strictly (an int is not ``"3"`` nor ``true``).
-Each component later receives only its own block: the launcher ``cluster``, a server job its ``ServerConfig``,
-the trainer its model's ``trainer``, a client array its ``ClientGroupConfig``. The components' models are in their
-own modules (``config.run``, ``config.server``, ``config.clients``, ...); the rules that span them in
-``config.rules``.
+Each component later receives only its own block: the launcher ``cluster``, a server job its
+``ServerConfig``, the trainer its model's ``trainer``, a client array its ``ClientGroupConfig``. The
+components' models are in their own modules (``config.run``, ``config.server``, ``config.clients``, ...);
+the rules that span them in ``config.rules``.
 
 Constructing a :class:`Topology` raises ``pydantic.ValidationError`` for malformed fields and ``ConfigError``
 for inconsistent ones (duplicate names, unknown server references, see

@@ -155,7 +155,7 @@ def _states(run: RunDir, job: SubmittedJob) -> list[TaskState]:
 def refuse_force_over_live_jobs(run: RunDir, topology: Topology, force: bool) -> None:
     """--force replaces a run's topology: not while jobs of the old one still run (they would keep the old
     topology, and the new submissions would run beside them)."""
-    if not (force and run.exists()) or run.topology_file.read_text() == dump_topology(topology):
+    if not (force and run.exists()) or run.holds(dump_topology(topology)):
         return
     live = live_jobs(run)
     if live:

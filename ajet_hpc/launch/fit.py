@@ -128,8 +128,9 @@ def server_fit_issues(
                 server.path(index, "models[0].trainer.zero_stage"),  # the job's first model
                 f"{what}: ZeRO-{trainer.zero_stage} on {placement.world_size} rank(s) needs about "
                 f"{need / GIB:.1f} GiB per GPU for weights, gradients and Adam states, more than the "
-                f"{room / GIB:.1f} GiB {beside}of a {server.engine.gpu_memory_gib:g} GiB GPU; use zero_stage 3, "
-                "more GPUs or nodes" + (", or a lower vllm.gpu_memory_utilization" if colocated else ""),
+                f"{room / GIB:.1f} GiB {beside}of a {server.engine.gpu_memory_gib:g} GiB GPU; use "
+                "zero_stage 3, more GPUs or nodes"
+                + (", or a lower vllm.gpu_memory_utilization" if colocated else ""),
             )
         )
     return issues

@@ -81,8 +81,8 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
             issues.append(
                 ConfigIssue(
                     where,
-                    f"{folder} has rank {rank}, above {server.path(index, 'engine.vllm.max_lora_rank')}={limit}: "
-                    "raise it",
+                    f"{folder} has rank {rank}, above "
+                    f"{server.path(index, 'engine.vllm.max_lora_rank')}={limit}: raise it",
                 )
             )
     return issues

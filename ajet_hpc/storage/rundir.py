@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ajet_hpc.config import Topology, dump_topology, load_topology
+from ajet_hpc.config import ConfigError, Topology, dump_topology, load_topology
 from ajet_hpc.storage.files import write_bytes_atomic
 
 TOPOLOGY_FILE = "topology.yaml"
@@ -143,6 +143,12 @@ class RunDir:
     def load_topology(self) -> Topology:
         return load_topology(self.topology_file)
 
+    def holds(self, frozen_text: str) -> bool:
+        """Whether the frozen topology is ``frozen_text`` (a ``dump_topology``), in either form of a
+        server."""
+        old_text = self.topology_file.read_text()
+        return old_text == frozen_text or _in_this_form(self.topology_file) == frozen_text
+
     def prepare(self, topology: Topology, force: bool = False) -> str:
         """Create the run directory, or check that ``topology`` matches the frozen one.
 
@@ -152,7 +158,7 @@ class RunDir:
         state = "created"
         if self.exists():
             old_text = self.topology_file.read_text()
-            if old_text == frozen_text:
+            if self.holds(frozen_text):
                 state = "resumed"
             elif not force:
                 diff = "".join(
@@ -249,3 +255,12 @@ class RunDir:
 def _setup_script(lines: list[str]) -> str:
     header = "# cluster.setup of this run's topology: sbatch/*.sbatch source this before the job starts\n"
     return header + "".join(f"{line}\n" for line in lines)
+
+
+def _in_this_form(topology_file: Path) -> str | None:
+    """A frozen topology as this version writes it (one frozen before servers had an engine block and
+    ``models:`` is in the old form: ``config.old_form``); None when it no longer loads."""
+    try:
+        return dump_topology(load_topology(topology_file))
+    except ConfigError:
+        return None

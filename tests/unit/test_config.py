@@ -162,7 +162,7 @@ def test_models_are_frozen() -> None:
 
 
 def test_direct_construction_checks_consistency() -> None:
-    server = ServerConfig(name="a", model="builtin:tiny")
+    server = ServerConfig.model_validate({"name": "a", "model": "builtin:tiny"})
     client = ClientGroupConfig(name="c", agent="m:f", tasks="t.jsonl", servers=["a"])
     assert Topology(run=RunConfig(name="x"), servers=[server], clients=[client]).clients == [client]
     with pytest.raises(ConfigError, match=r"clients\[0\]\.servers\[0\]: unknown server 'b'"):

@@ -41,7 +41,7 @@ def test_each_job_keeps_its_key_order_in_the_frozen_topology_and_its_errors() ->
 
 
 def test_each_job_has_its_own_defaults_and_help_and_the_shared_checks() -> None:
-    server = ServerConfig(name="p", model="builtin:tiny")
+    server = ServerConfig.model_validate({"name": "p", "model": "builtin:tiny"})
     client = ClientGroupConfig(name="m", agent="a:b", tasks="builtin:arithmetic", servers=["p"])
     assert (server.partition, server.cpus, server.mem, server.time) == ("gpu", 4, "16G", "4:00:00")
     assert (client.partition, client.cpus, client.mem, client.time) == ("cpu", 1, "2G", "4:00:00")

@@ -154,14 +154,18 @@ def test_callbacks_and_written_answer_after_the_commit_in_order(tmp_path: Path) 
 
 
 def test_store_config_reaches_the_recorder(tmp_path: Path) -> None:
-    server = ServerConfig(name="a", model="builtin:tiny", store=StoreConfig(commit_interval_ms=2.0))
+    server = ServerConfig.model_validate(
+        {"name": "a", "model": "builtin:tiny", "store": StoreConfig(commit_interval_ms=2.0)}
+    )
     recorder = EpisodeRecorder.from_config(tmp_path / "s.h5", server.models[0].store)  # as process.serve
     recorder.close()
     assert (recorder.commit_interval_s, recorder.commit_max) == (0.002, 64)
-    assert ServerConfig(name="a", model="builtin:tiny").models[0].store == StoreConfig()
+    assert (
+        ServerConfig.model_validate({"name": "a", "model": "builtin:tiny"}).models[0].store == StoreConfig()
+    )
     for bad in ({"commit_max_episodes": 0}, {"commit_interval_ms": -1.0}, {"commit_every": 3}):
         with pytest.raises(ValueError, match=r"store\.commit"):
-            ServerConfig(name="a", model="builtin:tiny", store=bad)  # type: ignore[arg-type]  # the bad input under test
+            ServerConfig.model_validate({"name": "a", "model": "builtin:tiny", "store": bad})
     for name, field in StoreConfig.model_fields.items():
         assert field.description, name
 

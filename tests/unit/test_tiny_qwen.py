@@ -194,6 +194,9 @@ def test_model_is_a_tied_two_layer_qwen2_with_qwen25_ids() -> None:
 
 
 def test_topology_accepts_the_builtin() -> None:
-    assert ServerConfig(name="policy", model="builtin:tiny-qwen").model == "builtin:tiny-qwen"
+    assert (
+        ServerConfig.model_validate({"name": "policy", "model": "builtin:tiny-qwen"}).model
+        == "builtin:tiny-qwen"
+    )
     with pytest.raises(ValueError, match="builtin:tiny, builtin:tiny-qwen"):
-        ServerConfig(name="policy", model="builtin:tiny-llama")
+        ServerConfig.model_validate({"name": "policy", "model": "builtin:tiny-llama"})
