@@ -3,10 +3,11 @@
     .venv/bin/python tools/config_reference.py            # rewrite docs/config.md
     .venv/bin/python tools/config_reference.py --check    # exit 1 when docs/config.md is stale
 
-One section per model, in the order the keys nest (``servers[].trainer.lora`` after ``servers[].trainer``),
-each a table of its keys: type, default, bounds and the field's description. Nothing is written by hand:
-a field whose description changes changes the reference, and ``tests/unit/test_config_reference.py`` fails
-until it is written again.
+One section per model, in the order the keys nest (``servers[].models[].trainer.lora`` after
+``servers[].models[].trainer``), each a table of its keys: type, default, bounds and the field's
+description. Nothing is written by hand but the header (``HEADER``, which also says how a server of the old
+form is read): a field whose description changes changes the reference, and
+``tests/unit/test_config_reference.py`` fails until it is written again.
 """
 
 from __future__ import annotations
@@ -33,9 +34,49 @@ HEADER = """\
 Every key of a topology file (`configs/*.yaml`), generated from the config models' own descriptions by
 `tools/config_reference.py`; `tests/unit/test_config_reference.py` fails when this file is stale. A key
 left out takes its default; an unknown key is an error that lists the allowed ones. Overrides on the
-command line use the same paths: `servers.policy.trainer.lr=1e-5` (a list element by its name or index).
-Times are Slurm times (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`); memory is an integer
-with `K`/`M`/`G`/`T` (megabytes without).
+command line use the same paths: `servers.policy.models.policy.trainer.lr=1e-5` (a list element by its
+name or index). Times are Slurm times (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`); memory
+is an integer with `K`/`M`/`G`/`T` (megabytes without).
+
+## A server job
+
+A server job (`servers[]`) is its resources (partition, CPUs, memory, time, nodes, GPUs, placement, port),
+its `serving` limits, one `engine` (its kind, the base model's weights, its GPUs, `vllm`) and the `models`
+that engine serves, each with its `trainer` (or `trainer: null`: a frozen model), `store`, and for a frozen
+LoRA adapter its `adapter` folder. A plain server is a job with one model, named as the job; a job with
+several models serves LoRA adapters of its base (each trained one has `trainer.lora`) and the bare base
+(`docs/lora.md`). The first model always carries the job's name; without `models:` a job has that one
+model, trained with the default trainer.
+
+```yaml
+servers:
+  - name: policy
+    gpus_per_node: 0
+    engine: {kind: auto, model: builtin:tiny}
+    models:
+      - name: policy
+        trainer: {lr: 0.003, total_steps: 20}
+```
+
+**The old form still loads.** A server written as before, flat, is rewritten on load to this form with the
+same meaning, so every YAML written for it keeps working (`tests/fixtures/old_configs/` holds the old
+form of every file in `configs/`, and a test loads each to the same topology):
+
+| old key | becomes |
+| --- | --- |
+| `model` | `engine.model` |
+| `engine` (a string) | `engine.kind` |
+| `engine_gpus` | `engine.gpus` |
+| `gpu_memory_gib` | `engine.gpu_memory_gib` |
+| `vllm` | `engine.vllm` |
+| `trainer`, `store` | `models[0].trainer`, `models[0].store`: the model named as the server |
+| `adapters[i]` | `models[i+1]`; without `trainer`, `trainer: {lora: {}}` (a rank-16 adapter, its default) |
+
+Errors in a server of the old form name the paths it was written with (`servers[0].engine_gpus`), and
+overrides of either form reach a server of either (`servers.policy.trainer.lr`,
+`servers.policy.engine_gpus`, `servers.base.adapters.solver.trainer.lr` still work, the first one as the
+short path of the job's first model's trainer). One server mixing the two forms' keys is an error naming
+both. A run frozen by a version before this form (`RUN/topology.yaml` in the old form) resumes.
 """
 
 
@@ -71,6 +112,9 @@ def render_type(annotation: Any) -> str:
 
 
 def render_default(field: FieldInfo) -> str:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("default_text"), str):  # filled in by a validator
+        return str(extra["default_text"])
     if field.is_required():
         return "**required**"
     value = field.get_default(call_default_factory=True)

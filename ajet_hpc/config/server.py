@@ -64,8 +64,9 @@ class ServerConfig(JobResources):
     models: list[ModelConfig] = Field(
         min_length=1,
         description="The models the engine serves, each with its trainer (or null: frozen) and store; the "
-        "first carries the job's name (default: that one model, trained). Several models are LoRA adapters "
-        "of the base (trainer.lora) or the bare base; docs/lora.md.",
+        "first carries the job's name. Several models are LoRA adapters of the base (trainer.lora) or the "
+        "bare base; docs/lora.md.",
+        json_schema_extra={"default_text": "one model named as the job, with the default trainer"},
     )
 
     _old_form: bool = PrivateAttr(default=False)

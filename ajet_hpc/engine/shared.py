@@ -1,5 +1,5 @@
 """One model of a server that serves several from one vLLM engine: a LoRA adapter of the base, or the bare
-base, under its own name (``servers[].adapters``, docs/lora.md).
+base, under its own name (``servers[].models``, docs/lora.md).
 
 A `SharedModel` is an `ajet_hpc.engine.base.Engine` to everything above it (the HTTP layer, the recorder,
 the coordinator): it has its own policy version, and its ``load_weights`` replaces only its adapter

@@ -81,7 +81,7 @@ class VllmSettings:
     seed: int = 0
     """Seeds the random stream of requests that give no seed of their own."""
     tensor_parallel_size: int = 1
-    """GPUs the engine spreads the model over (the server's ``engine_gpus``)."""
+    """GPUs the engine spreads the model over (the server's ``engine.gpus``)."""
     max_num_seqs: int = 256
     """Most requests batched in one engine step."""
     enable_sleep_mode: bool = False

@@ -1,7 +1,7 @@
 """Does the model fit? The launcher's memory estimate for a GPU server, checked before anything is submitted.
 
 Engine: the weights (parameter count from the model's ``config.json`` times the dtype's bytes), split over
-``engine_gpus`` by tensor parallelism, must fit in ``gpu_memory_utilization`` of each engine GPU (the rest
+``engine.gpus`` by tensor parallelism, must fit in ``gpu_memory_utilization`` of each engine GPU (the rest
 of that share is KV cache).
 
 Trainer, per rank, for P parameters on N ranks with bf16 weights and gradients and fp32 Adam (a master copy

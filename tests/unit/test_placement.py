@@ -127,8 +127,8 @@ def test_the_dry_run_prints_the_placement_and_refuses_impossible_ones(
     out = capsys.readouterr().out
     assert "placement of server policy (1 node(s) x 8 GPU(s), split):" in out
     assert "  node 0: engine on GPU 0,1, tensor parallel 2; ranks 0→GPU 2, 1→GPU 3" in out
-    assert main([config, "servers.policy.gpus_per_node=8", "servers.policy.engine_gpus=8", "--dry-run"]) == 2
+    assert main([config, "servers.policy.gpus_per_node=8", "servers.policy.engine.gpus=8", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "servers[0].engine_gpus: 8 leaves no GPU for the trainer on 1 node of 8 GPUs" in err
+    assert "servers[0].engine.gpus: 8 leaves no GPU for the trainer on 1 node of 8 GPUs" in err
     assert main([config, "servers.policy.placement=colocate", "--dry-run"]) == 2  # quickstart: CPUs only
     assert "servers[0].placement: colocate needs GPUs" in capsys.readouterr().err
