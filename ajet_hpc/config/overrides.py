@@ -92,14 +92,17 @@ def _in_form_of(
         return rest
     head, tail = rest[0].text, rest[1:]
     if old:
-        return _in_old_form(server, rest, value, override, loc)
+        try:
+            return _in_old_form(server, rest, value, override, loc)
+        except ValueError:  # not a server the new form can hold (adapters not a list): validation says so
+            return rest
+    if head in ("models", *MODEL_KEYS, "adapters") and "models" not in server and "name" in server:
+        server["models"] = [{"name": server["name"]}]  # the default, written out to be set
     if head in ENGINE_KEYS and not (head == "engine" and (tail or isinstance(value, dict))):
         return [_Segment("engine", False), _Segment(ENGINE_KEYS[head], False), *tail]
     if head == "vllm":
         return [_Segment("engine", False), *rest]
     if head in MODEL_KEYS or head == "adapters":
-        if "models" not in server and "name" in server:
-            server["models"] = [{"name": server["name"]}]  # the default, written out to be set
         if head in MODEL_KEYS:
             return [_Segment("models", False), _Segment("0", False), *rest]
         if not tail:

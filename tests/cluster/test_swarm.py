@@ -124,7 +124,7 @@ def test_two_adapters_of_one_server_resume_after_a_requeue(tmp_path: Path) -> No
     base = resolve_model("builtin:tiny", tmp_path / "models")
     opponent = write_initial_adapter(base, LoraConfig(rank=8), tmp_path / "opponent")
     topology = yaml.safe_load((REPO / "configs" / "propose_solve_lora.yaml").read_text())
-    topology["servers"][0]["adapters"].append({"name": "opponent", "trainer": None, "adapter": str(opponent)})
+    topology["servers"][0]["models"].append({"name": "opponent", "trainer": None, "adapter": str(opponent)})
     config = tmp_path / "propose_solve_lora.yaml"
     config.write_text(yaml.safe_dump(topology))
     overrides = [

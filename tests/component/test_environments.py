@@ -66,8 +66,13 @@ def rg_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     topology["clients"].append(sums)
     for group in topology["clients"]:
         group["ratio"] = 0.25
-    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 8}  # 2 tasks a group a step
-    topology["servers"][0]["engine"] = "transformers"  # the environments are the subject, not the engine
+    topology["servers"][0]["models"][0]["trainer"] |= {
+        "total_steps": 3,
+        "tasks_per_batch": 8,
+    }  # 2 a group a step
+    topology["servers"][0]["engine"]["kind"] = (
+        "transformers"  # the environments are the subject, not the engine
+    )
     topology["run"]["dir"] = str(run)
     done = run_module("ajet_hpc.launch", str(write_topology(folder, topology)), timeout_s=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -198,8 +203,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SharedR
             data = {"question": "Write f(x).", "function": "f", "tests": [[[1], 1]], "attack": code}
             f.write(json.dumps({"id": task_id, **data}) + "\n")
     topology = yaml.safe_load((REPO / "configs" / "code.yaml").read_text())
-    topology["servers"][0]["trainer"]["total_steps"] = 3
-    topology["servers"][0]["engine"] = "transformers"  # the sandbox is the subject, not the engine
+    topology["servers"][0]["models"][0]["trainer"]["total_steps"] = 3
+    topology["servers"][0]["engine"]["kind"] = "transformers"  # the sandbox is the subject, not the engine
     topology["clients"].append(
         {**topology["clients"][0], "name": "attacks", "agent": "tests.fixture_agents:sandbox_attack"}
         | {"tasks": str(attacks), "repeats": 1, "in_flight": len(ATTACKS)}
@@ -345,9 +350,14 @@ def tools_run(tmp_path_factory: pytest.TempPathFactory, scripted_qwen_model: Pat
     question = {"question": "What is 2+3? Use the tool.", "tools": ["add"], "answer": 5}
     script.write_text("".join(json.dumps({"id": f"sum-{k}", **question}) + "\n" for k in range(6)))
     topology = yaml.safe_load((REPO / "configs" / "agent_frameworks.yaml").read_text())
-    topology["servers"][0] |= {"model": str(scripted_qwen_model)}
+    topology["servers"][0]["engine"] |= {"model": str(scripted_qwen_model)}
     off_policy = {"max_staleness": 2, "recompute_logprobs": True, "off_policy": {"mode": "tis"}}
-    topology["servers"][0]["trainer"] |= {"total_steps": 3, "tasks_per_batch": 4, "lr": 1e-6, **off_policy}
+    topology["servers"][0]["models"][0]["trainer"] |= {
+        "total_steps": 3,
+        "tasks_per_batch": 4,
+        "lr": 1e-6,
+        **off_policy,
+    }
     (mcp_group,) = yaml.safe_load((REPO / "configs" / "mcp_tools.yaml").read_text())["clients"]
     topology["clients"].append(mcp_group | {"tasks": str(script), "epochs": 4})
     reverse, sums = yaml.safe_load((REPO / "configs" / "verifiers.yaml").read_text())["clients"]

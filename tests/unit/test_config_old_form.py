@@ -179,3 +179,10 @@ def test_a_run_frozen_in_the_old_form_resumes(tmp_path: Path) -> None:
     assert run.prepare(load_topology(OLD / "quickstart.yaml")) == "resumed"
     assert run.prepare(load_topology(REPO / "configs" / "quickstart.yaml")) == "resumed"
     assert text != frozen_then
+
+
+def test_an_override_of_a_model_reaches_a_new_server_written_without_models() -> None:
+    data = {"run": {"name": "p"}, "servers": [{"name": "policy", "engine": {"model": "builtin:tiny"}}]}
+    for override in ("servers.policy.models.policy.trainer.lr=0.5", "servers.policy.trainer.lr=0.5"):
+        trainer = load_topology(apply_overrides(data, [override])).servers[0].trainer
+        assert trainer is not None and trainer.lr == 0.5
