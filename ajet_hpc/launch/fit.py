@@ -150,7 +150,9 @@ def fit_issues(topology: Topology) -> list[ConfigIssue]:
             adapters = {name: adapter_parameters(model_dir, lora) for name, lora in server.lora_models()}
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
             issues.append(
-                ConfigIssue(f"servers[{index}].model", f"cannot read {model_dir / 'config.json'}: {error}")
+                ConfigIssue(
+                    server.path(index, "engine.model"), f"cannot read {model_dir / 'config.json'}: {error}"
+                )
             )
             continue
         issues += server_fit_issues(index, server, size, adapters)
