@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from ajet_hpc.config import old_form
-from ajet_hpc.config.engine import EngineConfig, ServingConfig, VllmConfig
-from ajet_hpc.config.fields import MODEL_CONFIG, ModelSource, Name
+from ajet_hpc.config.engine import EngineConfig, ServingConfig
+from ajet_hpc.config.fields import MODEL_CONFIG, Name
 from ajet_hpc.config.lora import VLLM_LORA_RANKS, LoraConfig
 from ajet_hpc.config.model import ModelConfig
 from ajet_hpc.config.placement import Placement, plan_placement
@@ -93,17 +93,7 @@ class ServerConfig(JobResources):
 
     __hash__ = JobResources.__hash__
 
-    # --- the fields of the form before the engine block, read by name -----------------------------------
-    @property
-    def model(self) -> ModelSource:
-        """The base model's weights (``engine.model``)."""
-        return self.engine.model
-
-    @property
-    def vllm(self) -> VllmConfig:
-        """The vLLM engine's settings (``engine.vllm``)."""
-        return self.engine.vllm
-
+    # --- what is read of its models ------------------------------------------------------------------
     @property
     def trainer(self) -> TrainerConfig | None:
         """The trainer of the first model: the model named as the job (in a view of one model, its own)."""

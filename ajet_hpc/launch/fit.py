@@ -140,9 +140,9 @@ def fit_issues(topology: Topology) -> list[ConfigIssue]:
     """Fit problems of every GPU server whose model is a local folder (built-in models are tiny)."""
     issues = []
     for index, server in enumerate(topology.servers):
-        if server.gpus_per_node == 0 or server.model.startswith("builtin:"):
+        if server.gpus_per_node == 0 or server.engine.model.startswith("builtin:"):
             continue
-        model_dir = Path(server.model).expanduser()
+        model_dir = Path(server.engine.model).expanduser()
         if not (model_dir / "config.json").is_file():
             continue  # the model field's own check reports it
         try:

@@ -72,8 +72,8 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
                 issues.append(
                     ConfigIssue(
                         where,
-                        f"{folder} adapts {', '.join(map(repr, missing))}, which {server.model} has no "
-                        "linear layer named: an adapter of another base model?",
+                        f"{folder} adapts {', '.join(map(repr, missing))}, which {server.engine.model} has "
+                        "no linear layer named: an adapter of another base model?",
                     )
                 )
         limit = server.lora_rank_limit(ranks)
@@ -89,9 +89,9 @@ def _frozen_issues(index: int, server: ServerConfig, model_dir: Path) -> list[Co
 
 
 def _model_dir(server: ServerConfig, scratch: Path) -> Path | None:
-    if server.model.startswith("builtin:"):
-        return resolve_model(server.model, scratch)
-    folder = Path(server.model).expanduser()
+    if server.engine.model.startswith("builtin:"):
+        return resolve_model(server.engine.model, scratch)
+    folder = Path(server.engine.model).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
 

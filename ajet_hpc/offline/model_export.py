@@ -89,7 +89,7 @@ def export(
         raise ExportError(f"{out} exists and is not empty: choose a new folder")
     work = WorkDir(run.trainer_dir(server.name))
     tag, at = checkpoint_tag(work, step)
-    base_dir = resolve_model(server.model, run.models_dir)
+    base_dir = resolve_model(server.engine.model, run.models_dir)
     offline_hub()
     started = time.monotonic()
     trained = get_fp32_state_dict_from_zero_checkpoint(str(work.ds), tag=tag)

@@ -165,7 +165,7 @@ def load_tokenizer(run: Run, model: str):
     is deterministic); any other model's from its local folder. Nothing is downloaded.
     """
     try:
-        spec = run.topology.server(model).model
+        spec = run.topology.server(model).engine.model
     except KeyError:
         log.warning("model %r is not in the topology: showing token ids", model)
         return None

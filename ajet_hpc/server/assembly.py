@@ -108,7 +108,11 @@ def _engine(
         what = f"the frozen adapter {frozen[model.name]}" if model.name in frozen else "the bare base"
         what = "a LoRA adapter" if model.name in trained else what
         log.info(
-            "model %s: %s of %s (%s)", model.name, what, config.model, "trains" if model.trainer else "serves"
+            "model %s: %s of %s (%s)",
+            model.name,
+            what,
+            config.engine.model,
+            "trains" if model.trainer else "serves",
         )
         views[model.name] = SharedModel(engine, model.name if model.name in adapters else BARE_BASE)
     return engine, views
@@ -123,7 +127,7 @@ def _job_parts(
     for line in placement.describe():
         log.info("placement: %s", line)
     step_env = bind_engine_gpus(placement, os.environ)
-    model_path = resolve_model(server.model, run.models_dir)
+    model_path = resolve_model(server.engine.model, run.models_dir)
     return _Parts(run, topology, job, placement, model_path, step_env), resolve_kind(server.engine.kind)
 
 

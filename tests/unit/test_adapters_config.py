@@ -47,7 +47,7 @@ def test_a_server_with_adapters_is_one_job_of_several_models() -> None:
     assert [m.name for m in topology.models] == ["base", "proposer", "solver", "judge"]
     proposer, solver, judge = (topology.server(n) for n in ("proposer", "solver", "judge"))
     assert (
-        proposer.model == "builtin:tiny"
+        proposer.engine.model == "builtin:tiny"
         and proposer.trainer is not None
         and proposer.trainer.lora is not None
     )

@@ -84,7 +84,7 @@ def test_quickstart_loads() -> None:
     assert topo.run.name == "quickstart"
     assert topo.cluster.backend == "local"
     policy = topo.server("policy")
-    assert (policy.model, policy.engine.kind, policy.partition) == ("builtin:tiny", "auto", "gpu")
+    assert (policy.engine.model, policy.engine.kind, policy.partition) == ("builtin:tiny", "auto", "gpu")
     assert (policy.gpus_per_node, policy.cpus, policy.mem, policy.time, policy.time_min) == (
         0,
         2,
@@ -190,7 +190,10 @@ def test_run_dir_resolution(tmp_path: Path) -> None:
 def test_task_sources_and_models_accepted() -> None:
     for tasks in ["builtin:arithmetic", "data/tasks.jsonl", "/abs/t.jsonl", "my_pkg.tasks:load"]:
         assert load_topology(edited((("clients", 0, "tasks"), tasks))).clients[0].tasks == tasks
-    assert load_topology(edited((("servers", 0, "model"), "/models/qwen"))).servers[0].model == "/models/qwen"
+    assert (
+        load_topology(edited((("servers", 0, "model"), "/models/qwen"))).servers[0].engine.model
+        == "/models/qwen"
+    )
 
 
 def test_yaml_uses_1_2_scalars(tmp_path: Path) -> None:

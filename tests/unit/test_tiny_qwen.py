@@ -195,7 +195,7 @@ def test_model_is_a_tied_two_layer_qwen2_with_qwen25_ids() -> None:
 
 def test_topology_accepts_the_builtin() -> None:
     assert (
-        ServerConfig.model_validate({"name": "policy", "model": "builtin:tiny-qwen"}).model
+        ServerConfig.model_validate({"name": "policy", "model": "builtin:tiny-qwen"}).engine.model
         == "builtin:tiny-qwen"
     )
     with pytest.raises(ValueError, match="builtin:tiny, builtin:tiny-qwen"):
