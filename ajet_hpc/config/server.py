@@ -76,10 +76,12 @@ class ServerConfig(JobResources):
     def _read_either_form(cls, data: Any, handler: ModelWrapValidatorHandler[ServerConfig]) -> ServerConfig:
         """The old form rewritten to this one (``config.old_form``); a missing ``models`` is the one model
         named as the job."""
-        old = isinstance(data, dict) and old_form.is_old_form(data)
+        if not isinstance(data, dict):  # an instance: it keeps the form it was read in
+            return handler(data)
+        old = old_form.is_old_form(data)
         if old:
             data = old_form.to_new_form(data)
-        elif isinstance(data, dict) and "models" not in data and "name" in data:  # {name, engine: {...}}
+        elif "models" not in data and "name" in data:  # {name, engine: {...}}
             data = {**data, "models": [{"name": data["name"]}]}
         server = handler(data)
         server._old_form = old

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ajet_hpc.config import ConfigError, apply_overrides, dump_topology, load_topology
+from ajet_hpc.config import ConfigError, RunConfig, Topology, apply_overrides, dump_topology, load_topology
 from ajet_hpc.config.yaml_io import parse_yaml
 from ajet_hpc.storage.rundir import RunDir
 
@@ -186,3 +186,11 @@ def test_an_override_of_a_model_reaches_a_new_server_written_without_models() ->
     for override in ("servers.policy.models.policy.trainer.lr=0.5", "servers.policy.trainer.lr=0.5"):
         trainer = load_topology(apply_overrides(data, [override])).servers[0].trainer
         assert trainer is not None and trainer.lr == 0.5
+
+
+def test_a_server_instance_keeps_the_form_it_was_read_in() -> None:
+    server = load_topology(old_swarm()).servers[0]
+    again = Topology(run=RunConfig(name="again"), servers=[server])
+    assert again.servers[0].path(0, "engine.gpus") == "servers[0].engine_gpus"
+    assert server.path(0, "models[1].trainer") == "servers[0].adapters[0].trainer"
+    assert server.written("engine.vllm.max_loras") == "vllm.max_loras"
