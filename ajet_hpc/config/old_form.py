@@ -30,9 +30,6 @@ OLD_FORM_KEYS = (
 )
 """The keys of an old-form server, in the order it listed them."""
 
-ADAPTER_TRAINER: dict[str, Any] = {"lora": {}}
-"""An old ``adapters[]`` entry without ``trainer`` trained a rank-16 LoRA adapter (LoraConfig's defaults)."""
-
 
 def is_old_form(server: dict[str, Any]) -> bool:
     """Whether a raw server entry is written in the old form (an entry with neither form's keys is taken as
@@ -72,8 +69,10 @@ def to_new_form(server: dict[str, Any]) -> dict[str, Any]:
 
 
 def _adapter(adapter: Any) -> Any:
+    """An old ``adapters[]`` entry without ``trainer`` trained a rank-16 LoRA adapter (LoraConfig's
+    defaults); a model of the new form without one has the default trainer, full fine-tuning."""
     if isinstance(adapter, dict) and "trainer" not in adapter:
-        return {**adapter, "trainer": ADAPTER_TRAINER}
+        return {**adapter, "trainer": {"lora": {}}}
     return adapter
 
 
