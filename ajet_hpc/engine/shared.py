@@ -1,5 +1,5 @@
-"""One model of a server that serves several from one vLLM engine: a LoRA adapter of the base, or the bare
-base, under its own name (``servers[].models``, docs/lora.md).
+"""One model of a server whose vLLM engine serves LoRA adapters: an adapter of the base (a lone LoRA model,
+or one of several), or the bare base, under its own name (``servers[].models``, docs/lora.md).
 
 A `SharedModel` is an `ajet_hpc.engine.base.Engine` to everything above it (the HTTP layer, the recorder,
 the coordinator): it has its own policy version, and its ``load_weights`` replaces only its adapter
@@ -68,7 +68,9 @@ class SharedModel:
         await self.shared.load_adapter(self.adapter, Path(path), version, tag)
 
     async def sleep(self) -> float:
-        return 0.0  # placement colocate is refused for a server with adapters (config.rules)
+        """The shared engine's sleep: placement colocate is refused for a job with several models
+        (config.rules), so only a lone LoRA model's trainer puts it to sleep."""
+        return await self.shared.sleep()
 
     async def wake_up(self) -> float:
-        return 0.0
+        return await self.shared.wake_up()

@@ -10,13 +10,13 @@ engine steps, with generation paused, and the KV cache of requests in flight is 
 weights: every token sampled after ``load_weights`` returns comes from the new weights. With placement
 colocate the engine sleeps (vLLM sleep mode, level 1) while the trainer's ranks use the GPUs.
 
-With ``lora_adapter`` the engine serves a LoRA adapter of its base model (vLLM's multi-LoRA, ``enable_lora``):
-every request runs with the adapter, which starts as the given folder (the version-0 adapter,
-`ajet_hpc.engine.adapter`) and is replaced in place (``add_lora`` with ``load_inplace``) when
-`load_weights` gets a newer adapter folder, under the same pause, prefix-cache reset and version tag.
-With ``lora_adapters`` it serves several named adapters of the one base at once, each request naming its
-own (``generate(..., adapter=name)``; `BARE_BASE` runs the base without any), each replaced in place by
-`load_adapter`: the models of a server with adapters (`ajet_hpc.engine.shared`).
+With ``lora_adapters`` the engine serves named LoRA adapters of its base model (vLLM's multi-LoRA,
+``enable_lora``), one or several, each starting as the given folder (a trained one's version-0 adapter,
+`ajet_hpc.engine.adapter`); a request names its adapter (``generate(..., adapter=name)``; none, or
+`BARE_BASE`, runs the base without any), and `load_adapter` replaces one in place (``add_lora`` with
+``load_inplace``) under the same pause, prefix-cache reset and version tag as `load_weights`. Every model
+of a server that serves adapters, a lone LoRA model included, sees the engine through its own
+`ajet_hpc.engine.shared.SharedModel`.
 """
 
 from __future__ import annotations
@@ -89,23 +89,12 @@ class VllmSettings:
     weight_transfer_backend: str | None = None
     """vLLM weight-transfer backend for in-memory syncs (``nccl``, ``ipc``, ``ajet_gloo``); None: reloads
     from disk only."""
-    lora_adapter: str | None = None
-    """A peft adapter folder: serve every request with a LoRA adapter of the model, starting with this one
-    (see the module doc); None: the model's own weights."""
-    lora_name: str = "policy"
-    """vLLM's name of the served adapter."""
     lora_adapters: tuple[tuple[str, str], ...] = ()
-    """More adapters served beside ``lora_adapter``: (name, first folder) each; a request names its own."""
+    """The LoRA adapters served (see the module doc): (name, first folder) each; a request names its own."""
     max_loras: int = 1
     """With LoRA: adapters vLLM holds on the device at once (at least as many as it serves)."""
     max_lora_rank: int = 16
     """With LoRA: the largest adapter rank vLLM serves (one of vLLM's LoRA ranks)."""
-
-    @property
-    def served_adapters(self) -> tuple[tuple[str, str], ...]:
-        """Every adapter the engine serves, (name, first folder), ``lora_adapter`` first."""
-        first = ((self.lora_name, self.lora_adapter),) if self.lora_adapter is not None else ()
-        return first + tuple(self.lora_adapters)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -116,7 +105,7 @@ class VllmSettings:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        names = [name for name, _ in self.served_adapters]
+        names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names) or BARE_BASE in names:
             raise ValueError(f"adapter names must be distinct and not empty, got {names}")
         if len(names) > self.max_loras:
@@ -147,7 +136,6 @@ class VllmEngine(EngineLifecycle):
         self._reload_lock: asyncio.Lock | None = None
         self._in_flight: set[str] = set()
         self._stopping = Path(os.devnull)  # set by start()
-        self._lora: Any = None  # the LoRARequest a request without an adapter name carries (``lora_adapter``)
         self._adapters: dict[str, Any] = {}  # name -> the LoRARequest of every served adapter
         # the policy version of each served model ("": the full weights, else an adapter's name), which
         # vLLM's weight-version tag carries as JSON: each output token is tagged with the versions of the
@@ -199,10 +187,8 @@ class VllmEngine(EngineLifecycle):
         # Building the engine blocks for a while (it spawns and waits for its processes): off the loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._reload_lock = asyncio.Lock()
-        for name, folder in settings.served_adapters:
+        for name, folder in settings.lora_adapters:
             await self._add_adapter(name, Path(folder), inplace=False)
-        if settings.lora_adapter is not None:
-            self._lora = self._adapters[settings.lora_name]
         self._versions = {"": self.policy_version} | {name: 0 for name in self._adapters}
         await self._llm.update_weight_version(json.dumps(self._versions, sort_keys=True))
         log.info(
@@ -252,16 +238,14 @@ class VllmEngine(EngineLifecycle):
         stream: bool = True,
         adapter: str | None = None,
     ) -> AsyncIterator[Chunk]:
-        """`Engine.generate`; ``adapter`` names the served adapter to run with (`BARE_BASE`: none), None
-        the default one (``lora_adapter``, or none)."""
+        """`Engine.generate`; ``adapter`` names the served adapter to run with (None or `BARE_BASE`:
+        none, the base's own weights)."""
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
 
         if self._llm is None:
             raise EngineNotRunning(NOT_RUNNING)
-        lora = (
-            self._lora if adapter is None else None if adapter == BARE_BASE else self._adapters.get(adapter)
-        )
+        lora = self._adapters.get(adapter) if adapter else None
         if adapter and lora is None:
             raise EngineError(f"no adapter named {adapter!r}; the engine serves {sorted(self._adapters)}")
         max_tokens = check_prompt(prompt_ids, self._vocab_size, params.max_tokens, self.max_model_len)
@@ -317,8 +301,7 @@ class VllmEngine(EngineLifecycle):
         path = Path(path)
         if not any(path.glob("*.safetensors")):
             raise EngineError(f"load_weights: no *.safetensors file in {path} (save with save_pretrained)")
-        adapter = self._lora is not None
-        mismatch = kind_mismatch(path, adapter)
+        mismatch = kind_mismatch(path, False)
         if mismatch is not None:
             raise EngineError(mismatch)
         if self._asleep:
@@ -327,10 +310,6 @@ class VllmEngine(EngineLifecycle):
         def tag() -> None:
             self.policy_version = version
 
-        if adapter:
-            await self._swap_adapter(self.settings.lora_name, path, version, tag)
-            return
-
         async def reload() -> None:
             await self._llm.collective_rpc("ajet_reload_weights", kwargs={"weights_path": str(path)})
 
@@ -338,17 +317,19 @@ class VllmEngine(EngineLifecycle):
 
     async def load_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
         """Replace the served adapter ``name`` by the folder ``path`` in place, as `load_weights` does for
-        the default one; ``tag`` runs before generation resumes (the model's policy version)."""
+        the full weights (a sleeping engine woken first); ``tag`` runs before generation resumes (the
+        model's policy version)."""
         if self._llm is None or self._reload_lock is None:
             raise EngineNotRunning(NOT_RUNNING)
         if name not in self._adapters:
             raise EngineError(f"no adapter named {name!r}; the engine serves {sorted(self._adapters)}")
-        mismatch = kind_mismatch(Path(path), True)
+        path = Path(path)
+        mismatch = kind_mismatch(path, True)
         if mismatch is not None:
             raise EngineError(mismatch)
-        await self._swap_adapter(name, Path(path), version, tag)
+        if self._asleep:
+            await self.wake_up()
 
-    async def _swap_adapter(self, name: str, path: Path, version: int, tag: Callable[[], None]) -> None:
         async def reload() -> None:
             await self._add_adapter(name, path, inplace=True)
 
@@ -404,10 +385,7 @@ class VllmEngine(EngineLifecycle):
             raise EngineError(f"vLLM refused the LoRA adapter {path}: {error}") from error
         if not loaded:
             raise EngineError(f"vLLM did not load the LoRA adapter {path}")
-        request = LoRARequest(name, lora_id, str(path))
-        self._adapters[name] = request
-        if self._lora is not None and name == self._lora.lora_name:
-            self._lora = request
+        self._adapters[name] = LoRARequest(name, lora_id, str(path))
 
     # ---- in-memory weight sync (vLLM's weight-transfer API, driven by trainer/ranks/weight_sync.py)
 
@@ -494,7 +472,7 @@ class VllmEngine(EngineLifecycle):
 
 
 def _lora_args(settings: VllmSettings) -> dict[str, Any]:
-    if not settings.served_adapters:
+    if not settings.lora_adapters:
         return {}
     return {"enable_lora": True, "max_loras": settings.max_loras, "max_lora_rank": settings.max_lora_rank}
 

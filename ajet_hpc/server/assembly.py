@@ -79,14 +79,15 @@ def assemble(
 def _engine(
     parts: _Parts, kind: Literal["vllm", "transformers"], config: ServerConfig
 ) -> tuple[Engine, dict[str, Engine]]:
-    """The job's engine, and the view of it each model of a server with adapters sees (a plain server's
-    one model sees the engine itself). A plain server's engine takes its model's weight-sync backend and,
-    with ``trainer.lora``, serves that adapter; a server with adapters serves every adapter (each LoRA
-    model's version-0 adapter written here, each frozen one from its folder) and the bare base."""
-    if len(config.models) == 1:
+    """The job's engine, and the view of it each model sees where the engine serves adapters (a model of
+    full weights alone on its job sees the engine itself, and its engine takes its weight-sync backend).
+    A vLLM engine with adapters serves each LoRA model's version-0 adapter (written here), each frozen
+    one's folder and the bare base, one path whether the job has one model or several; the transformers
+    engine serves a lone LoRA model's adapter through peft (`lora_settings`)."""
+    if len(config.models) == 1 and (kind == "transformers" or not config.lora_models()):
         sync = decide(config.trainer, parts.placement, kind)
         settings = engine_settings(config, parts.placement, kind, sync)
-        settings.update(lora_settings(config, parts.model_path, kind))
+        settings.update(lora_settings(config, parts.model_path))
         return create_engine(kind, parts.model_path, **settings), {}
     if kind != "vllm":
         raise SystemExit(
@@ -104,6 +105,8 @@ def _engine(
     engine = create_engine(kind, parts.model_path, **settings)
     assert isinstance(engine, VllmEngine)
     views: dict[str, Engine] = {}
+    for name, lora in config.lora_models():
+        log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, name)
     for model in config.hosted():
         what = f"the frozen adapter {frozen[model.name]}" if model.name in frozen else "the bare base"
         what = "a LoRA adapter" if model.name in trained else what
@@ -248,17 +251,14 @@ def engine_settings(
     }
 
 
-def lora_settings(config: ServerConfig, model_path: Path, kind: Literal["vllm", "transformers"]) -> dict:
-    """With ``trainer.lora``: the engine serves an adapter, starting with the version-0 one written here
-    to node-local storage (`ajet_hpc.engine.adapter`); vLLM gets its adapter slots and rank limit."""
+def lora_settings(config: ServerConfig, model_path: Path) -> dict:
+    """The transformers engine with ``trainer.lora``: it serves the adapter through peft, starting with the
+    version-0 one written here to node-local storage (`ajet_hpc.engine.adapter`)."""
     lora = config.trainer.lora if config.trainer is not None else None
     if lora is None:
         return {}
     folder = _node_local(f"ajet-{config.name}-lora-v0-")
     settings: dict[str, Any] = {"lora_adapter": str(write_initial_adapter(model_path, lora, folder))}
-    if kind == "vllm":
-        settings["max_loras"] = config.lora_slots()
-        settings["max_lora_rank"] = config.lora_rank_limit()
     log.info("LoRA rank %d on %s: the engine serves adapter version 0 (the base)", lora.rank, config.name)
     return settings
 

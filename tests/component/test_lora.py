@@ -73,21 +73,26 @@ def model(request: pytest.FixtureRequest, model_name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(loop, model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A vLLM and a transformers engine of the model, each serving the version-0 adapter."""
+def v0(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The version-0 adapter of the model (all zeros: it computes the base)."""
+    return write_initial_adapter(model, LORA, tmp_path_factory.mktemp("v0"))
+
+
+@pytest.fixture(scope="module")
+def engines(loop, model: Path, v0: Path):
+    """The version-0 adapter served by vLLM as the model ``policy`` (a `SharedModel`, as a server's lone
+    LoRA model sees its engine; two more adapters beside it are the models of a server with several) and
+    by a transformers engine through peft."""
     from ajet_hpc.engine.vllm_engine import VllmEngine, VllmSettings
 
-    v0 = str(write_initial_adapter(model, LORA, tmp_path_factory.mktemp("v0")))
-    # two more adapters beside the default one: the models of a server with adapters (engine.shared)
-    others = tuple((name, v0) for name in SHARED)
-    settings = VllmSettings(
-        max_model_len=256, lora_adapter=v0, lora_adapters=others, max_loras=3, max_lora_rank=8
+    adapters = tuple((name, str(v0)) for name in ("policy", *SHARED))
+    vllm = VllmEngine(
+        model, VllmSettings(max_model_len=256, lora_adapters=adapters, max_loras=3, max_lora_rank=8)
     )
-    vllm = VllmEngine(model, settings)
-    hf = TransformersEngine(model, TransformersSettings(max_model_len=256, lora_adapter=v0))
+    hf = TransformersEngine(model, TransformersSettings(max_model_len=256, lora_adapter=str(v0)))
     loop.run_until_complete(vllm.start())
     loop.run_until_complete(hf.start())
-    yield vllm, hf
+    yield SharedModel(vllm, "policy"), hf
     loop.run_until_complete(hf.stop())
     loop.run_until_complete(vllm.stop())
 
@@ -150,7 +155,7 @@ async def run_ranks(model: Path, work: Path, config: TrainerConfig, ranks: int, 
 
 
 def test_engines_serve_each_trained_adapter_as_peft_computes_it(
-    loop, engines, model: Path, model_name: str, tmp_path: Path
+    loop, engines, v0: Path, model: Path, model_name: str, tmp_path: Path
 ) -> None:
     stage, ranks = ZERO[model_name]
     vllm = engines[0]
@@ -165,9 +170,8 @@ def test_engines_serve_each_trained_adapter_as_peft_computes_it(
     trained: dict[str, torch.Tensor] = {}
 
     async def scenario() -> None:
-        v0_adapter = Path(vllm.settings.lora_adapter)
         for engine in engines:  # whatever another test of the module left loaded: back to version 0
-            await engine.load_weights(v0_adapter, 0)
+            await engine.load_weights(v0, 0)
         before = await answers(engines, prompt, f"v0-{stage}")
         base = peft_logprobs(model, None, prompt, before[0].token_ids)
         assert max_diff(before[0].logprobs, base) <= 1e-4  # the version-0 adapter computes the base
@@ -227,13 +231,12 @@ def perturbed(v0: Path, folder: Path, seed: int) -> Path:
 
 
 def test_one_engine_serves_each_adapter_and_the_bare_base_as_models_of_their_own(
-    loop, engines, model: Path, tmp_path: Path
+    loop, engines, v0: Path, model: Path, tmp_path: Path
 ) -> None:
     """The models of a server with adapters: each `SharedModel` runs with its own adapter (its logprobs
     are a peft forward of it), keeps its own policy version, and an update of one leaves the others'
     answers as they were; the bare base is the base."""
-    vllm = engines[0]
-    v0 = Path(vllm.settings.lora_adapter)
+    vllm = engines[0].shared
     proposer, solver = (SharedModel(vllm, name) for name in SHARED)
     base = SharedModel(vllm, BARE_BASE)
     prompt = vllm.tokenizer.apply_chat_template(

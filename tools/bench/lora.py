@@ -75,13 +75,13 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> tuple[l
         v0 = [str(write_initial_adapter(model, lora, work / name / "v0")) for name in names]
         settings = VllmSettings(
             max_model_len=512,
-            lora_adapter=v0[0],
-            lora_name=names[0],
-            lora_adapters=tuple(zip(names[1:], v0[1:], strict=True)),
+            lora_adapters=tuple(zip(names, v0, strict=True)),
             max_loras=len(names),
             max_lora_rank=lora.rank,
         )
     engine = VllmEngine(model, settings)
+    # the trained model: the engine itself with full weights, the first adapter's view with LoRA
+    served = engine if lora is None else SharedModel(engine, names[0])
     await engine.start()
     config = TrainerConfig(zero_stage=2, ranks=1, lr=1e-5, lora=lora).resolved(ServingConfig())
     sync, server = DISK, None
@@ -108,7 +108,7 @@ async def run(model: Path, work: Path, args, lora: LoraConfig | None) -> tuple[l
             else:
                 assert isinstance(result.weights, DiskWeights), result.weights
                 started = time.monotonic()
-                await engine.load_weights(result.weights.folder, step)
+                await served.load_weights(result.weights.folder, step)
                 sync_s = result.export_time_s + time.monotonic() - started
                 sent = (result.weights.folder / ADAPTER_WEIGHTS).stat().st_size
             rows.append({"bytes": sent, "sync_s": sync_s, "step_s": result.step_time_s})
